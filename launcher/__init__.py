@@ -1,0 +1,1 @@
+"""launcher: the elastic-run agent, its etcd rendezvous controller and the CLI."""
