@@ -1,0 +1,48 @@
+"""Checks that a checkpoint folder can really be read from here: DCP metadata and every data file it names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from elastic.checkpoint.layout import DCP_METADATA_FILE, CheckpointError
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """DCP's metadata of ``folder``; raises CheckpointError naming the folder when it is missing or garbage."""
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} cannot be read: it has no DCP {DCP_METADATA_FILE}") from None
+    except Exception as error:  # unpickling garbage raises anything
+        raise CheckpointError(f"{folder} cannot be read: its DCP {DCP_METADATA_FILE} is garbage ({error!r})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{folder} cannot be read: its DCP {DCP_METADATA_FILE} is not DCP metadata")
+    return metadata
+
+
+def verify_readable(folder: Path) -> None:
+    """Check that DCP's metadata of ``folder`` and every data file it names exist here, long enough.
+
+    Catches a rank whose file never reached shared storage, or a file cut short, before a load trips on it.
+    """
+    metadata = read_metadata(folder)
+    needed_bytes: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed_bytes[info.relative_path] = max(needed_bytes.get(info.relative_path, 0), info.offset + info.length)
+    for relative_path, needed in sorted(needed_bytes.items()):
+        path = folder / relative_path
+        try:
+            size = path.stat().st_size
+        except OSError as error:
+            raise CheckpointError(
+                f"{folder} cannot be read from here: data file {relative_path} is not visible ({error.strerror}); "
+                "every rank must see the same checkpoint directory (use storage shared by all nodes)"
+            ) from None
+        if size < needed:
+            raise CheckpointError(
+                f"{folder} cannot be read from here: data file {relative_path} has {size} bytes, "
+                f"the metadata needs {needed}; the file was cut short or is still being copied"
+            )

@@ -1,0 +1,71 @@
+"""The ranks that checkpoint together, and how they agree: a failure on one rank is raised on all of them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RankFailure(RuntimeError):
+    """Raised on every rank when a step failed on some rank; the message carries that rank's error."""
+
+
+class Ranks:
+    """A CPU process group for checkpoint traffic, or this process alone when torch.distributed is not set up."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+
+    @classmethod
+    def dedicated(cls, group: dist.ProcessGroup | None) -> Ranks:
+        """Use ``group`` when given; otherwise a gloo group of its own, so background saves never
+        interleave with the training's collectives (and work when training runs on NCCL)."""
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.new_group(backend="gloo")
+        return cls(group)
+
+    def gather(self, value: Any) -> list[Any]:
+        if self.group is None:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def agree(self, action: Callable[[], T], what: str, only_rank0: bool = False) -> T:
+        """Run ``action`` on every rank (or on rank 0 only) and return rank 0's result on every rank.
+
+        If it failed anywhere, every rank raises RankFailure with the first failing rank's error, so no
+        rank is left waiting in a collective that the others skipped.
+        """
+        result: Any = None
+        error: str | None = None
+        if self.rank == 0 or not only_rank0:
+            try:
+                result = action()
+            except (Exception, CheckpointException) as exc:  # reported to every rank below, raised there
+                error = describe_error(exc)
+        outcomes = self.gather((error, result if self.rank == 0 else None))
+        failures = [(rank, message) for rank, (message, _) in enumerate(outcomes) if message is not None]
+        if failures:
+            rank, message = failures[0]
+            where = "" if self.world_size == 1 else f" (rank {rank} of {self.world_size})"
+            raise RankFailure(f"{what} failed{where}: {message}")
+        return outcomes[0][1]
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for ``error``; DCP's CheckpointException is unwrapped to the first rank's own error."""
+    if isinstance(error, CheckpointException) and error.failures:
+        _, (error, _) = sorted(error.failures.items())[0]
+    message = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {message[0]}" if message else repr(error)
