@@ -1,0 +1,166 @@
+"""``elastic-ckpt``: list, inspect, convert and prune the checkpoints of a directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from elastic.checkpoint.integrity import read_metadata
+from elastic.checkpoint.layout import (
+    CheckpointEntry,
+    CheckpointError,
+    folder_size,
+    read_commit_record,
+    scan,
+    step_dir,
+    write_commit_record,
+)
+from elastic.checkpoint.retention import prune
+
+PROG = "elastic-ckpt"
+
+
+def _existing_directory(directory: Path) -> Path:
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory; pass the directory that holds the step-<N> folders")
+    return directory
+
+
+def _committed(directory: Path, step: int | None) -> Path:
+    """The committed folder of ``step``, or of the newest committed step when ``step`` is None."""
+    if step is None:
+        committed = [entry for entry in scan(_existing_directory(directory)) if entry.committed]
+        if not committed:
+            raise CheckpointError(f"{directory} holds no committed checkpoint; run `{PROG} list {directory}`")
+        return committed[-1].path
+    folder = step_dir(_existing_directory(directory), step)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} does not exist; run `{PROG} list {directory}` to see the steps")
+    read_commit_record(folder)
+    return folder
+
+
+def _row(entry: CheckpointEntry) -> dict:
+    record = entry.record
+    return {
+        "step": entry.step,
+        "state": "committed" if entry.committed else "torn",
+        "world_size": record.world_size if record else None,
+        "bytes": folder_size(entry.path),
+        "time": record.time.isoformat() if record else None,
+        "path": str(entry.path),
+        "problem": entry.problem,
+    }
+
+
+def _list(args: argparse.Namespace) -> None:
+    rows = [_row(entry) for entry in scan(_existing_directory(args.directory))]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"{'step':>8}  {'state':<9}  {'world':>5}  {'size':>10}  time")
+    for row in rows:
+        world = row["world_size"] if row["world_size"] is not None else "-"
+        print(f"{row['step']:>8}  {row['state']:<9}  {world:>5}  {_human(row['bytes']):>10}  {row['time'] or '-'}")
+
+
+def _human(size: float) -> str:
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    unit = 0
+    while size >= 1024 and unit < len(units) - 1:
+        size /= 1024
+        unit += 1
+    return f"{size:.1f} {units[unit]}" if unit else f"{int(size)} B"
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    folder = _committed(args.directory, args.step)
+    record = read_commit_record(folder)
+    print(f"{folder}: step {record.step}, saved by {record.world_size} ranks at {record.time.isoformat()}, "
+          f"torch {record.torch_version}, elastic {record.elastic_version}")
+    for key, item in sorted(read_metadata(folder).state_dict_metadata.items()):
+        if isinstance(item, TensorStorageMetadata):
+            shape = "x".join(map(str, item.size)) or "scalar"
+            print(f"  {key}  {str(item.properties.dtype).removeprefix('torch.')}  {shape}")
+        else:
+            print(f"  {key}  object")
+
+
+def _convert(args: argparse.Namespace) -> None:
+    if args.to_torch:
+        folder = _committed(args.directory, args.step)
+        dcp_to_torch_save(folder, args.to_torch)
+        print(f"wrote {args.to_torch} from {folder}")
+        return
+    if not args.from_torch.is_file():
+        raise CheckpointError(f"{args.from_torch} is not a file; pass a torch.save file to --from-torch")
+    folder = step_dir(args.directory, args.step)
+    if folder.exists():
+        raise CheckpointError(f"{folder} already exists; pick a step that is not in the directory")
+    folder.mkdir(parents=True)
+    torch_save_to_dcp(args.from_torch, folder)
+    write_commit_record(folder, args.step, world_size=1)
+    print(f"wrote committed checkpoint {folder} from {args.from_torch}")
+
+
+def _prune(args: argparse.Namespace) -> None:
+    deleted = prune(_existing_directory(args.directory), args.keep)
+    for path in deleted:
+        print(f"deleted {path}")
+    print(f"kept the newest {args.keep} committed checkpoint(s); deleted {len(deleted)} folder(s)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    listing = commands.add_parser("list", help="steps with state, world size, size and time")
+    listing.add_argument("directory", type=Path)
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.set_defaults(run=_list)
+
+    inspecting = commands.add_parser("inspect", help="keys, dtypes and shapes of a committed checkpoint")
+    inspecting.add_argument("directory", type=Path)
+    inspecting.add_argument("step", type=int, nargs="?", help="default: the newest committed step")
+    inspecting.set_defaults(run=_inspect)
+
+    converting = commands.add_parser("convert", help="to or from a single torch.save file")
+    converting.add_argument("directory", type=Path)
+    converting.add_argument("step", type=int)
+    direction = converting.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--to-torch", type=Path, metavar="OUT.pt", help="write step STEP to OUT.pt")
+    direction.add_argument("--from-torch", type=Path, metavar="IN.pt", help="make a new committed step STEP")
+    converting.set_defaults(run=_convert)
+
+    pruning = commands.add_parser("prune", help="delete all but the newest K committed checkpoints")
+    pruning.add_argument("directory", type=Path)
+    pruning.add_argument("--keep", type=_positive, required=True, metavar="K")
+    pruning.set_defaults(run=_prune)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (CheckpointError, OSError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Resharding: FSDP2 model + AdamW saved at N ranks loads exactly at M ranks, and with plain dcp.load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from elastic.checkpoint import CheckpointManager, ModelState
+from multiproc import run_ranks
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+SAVED_STEP = 3
+
+
+def tiny_model(seed: int) -> torch.nn.Module:
+    # Odd sizes so 3, 5 and 16 ranks get uneven and empty shards.
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
+
+
+def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = tiny_model(seed)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=FULL)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def train_and_save(rank: int, world_size: int, directory: str) -> dict[str, Any] | None:
+    model, optimizer = sharded(seed=0)
+    manager = CheckpointManager(directory, keep=2, async_save=True)
+    state = {"model": ModelState(model, optimizer)}
+    assert manager.load_latest(state) is None
+    for step in range(1, SAVED_STEP + 1):
+        torch.manual_seed(100 * step + rank)  # each rank trains on its own data
+        model(torch.randn(4, 6)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        manager.save(step, state)
+    manager.close()
+    expected = full_state(model, optimizer)
+    return expected if rank == 0 else None
+
+
+def load_resharded(rank: int, world_size: int, directory: str) -> tuple[int | None, dict[str, Any] | None]:
+    model, optimizer = sharded(seed=1 + rank)  # differs from what was saved, so a no-op load would fail
+    manager = CheckpointManager(directory, async_save=False)
+    step = manager.load_latest({"model": ModelState(model, optimizer)})
+    manager.close()
+    loaded = full_state(model, optimizer)
+    return step, loaded if rank == 0 else None
+
+
+def assert_identical(actual: Any, expected: Any, path: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, path
+        assert torch.equal(actual, expected), f"{path} differs after the load"
+    elif isinstance(expected, dict):
+        assert set(actual) == set(expected), f"{path}: keys {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            assert_identical(actual[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for index, (got, want) in enumerate(zip(actual, expected)):
+            assert_identical(got, want, f"{path}.{index}")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+@pytest.fixture(scope="module")
+def saved_at(tmp_path_factory: pytest.TempPathFactory):
+    """Checkpoint directory and expected full state for a save at N ranks, each N saved once per module."""
+    saves: dict[int, tuple[Path, dict[str, Any]]] = {}
+
+    def save(world_size: int) -> tuple[Path, dict[str, Any]]:
+        if world_size not in saves:
+            directory = tmp_path_factory.mktemp(f"saved-at-{world_size}")
+            expected = run_ranks(world_size, train_and_save, str(directory), timeout=120)[0]
+            saves[world_size] = (directory, expected)
+        return saves[world_size]
+
+    return save
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("saved_world, loaded_world", [(4, 2), (2, 4), (4, 3), (3, 5), (8, 16)])
+def test_model_and_optimizer_reshard_exactly(saved_at, saved_world: int, loaded_world: int) -> None:
+    directory, expected = saved_at(saved_world)
+    step, loaded = run_ranks(loaded_world, load_resharded, str(directory), timeout=120)[0]
+    assert step == SAVED_STEP
+    assert expected["optimizer"]["state"], "AdamW state must be part of the comparison"
+    assert_identical(loaded, expected)
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_loads_with_plain_dcp_load(saved_at) -> None:
+    directory, expected = saved_at(4)
+    model = tiny_model(seed=7)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    dcp.load({"model": ModelState(model, optimizer)}, checkpoint_id=directory / f"step-{SAVED_STEP}", no_dist=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    assert_identical({"model": model_state, "optimizer": optimizer_state}, expected)
