@@ -1,0 +1,58 @@
+"""A plain torchrun-style worker: all-reduce in a loop, one JSON line per completed collective.
+
+It uses only what torchrun gives a script (`init_process_group()` from the environment), so the same file runs
+under torchrun and elastic-run. The recovery benchmark and the launcher's tests read its log to see when a
+smaller or larger world trained again.
+
+    elastic-run --standalone --nproc-per-node 2 examples/collective_probe.py --steps 20 --log /tmp/probe.jsonl
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50, help="collectives to complete before exiting 0")
+    parser.add_argument("--step-time", type=float, default=0.2, help="seconds of 'compute' between collectives")
+    parser.add_argument("--log", default=None, help="append one JSON line per completed collective here")
+    parser.add_argument("--fail-rank", type=int, default=None, help="this rank raises at --fail-step ...")
+    parser.add_argument("--fail-step", type=int, default=3)
+    parser.add_argument("--fail-restarts", type=int, default=1, help="... while TORCHELASTIC_RESTART_COUNT < this")
+    return parser.parse_args()
+
+
+@record
+def main() -> None:
+    args = parse_args()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    round_ = int(os.environ.get("ELASTIC_ROUND", "0"))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    log = open(args.log, "a") if args.log else None
+    for step in range(args.steps):
+        if rank == args.fail_rank and step == args.fail_step and restarts < args.fail_restarts:
+            raise RuntimeError(f"injected failure at step {step} on rank {rank} (restart {restarts})")
+        value = torch.ones(1) * (rank + 1)
+        dist.all_reduce(value)
+        if value.item() != world_size * (world_size + 1) / 2:
+            raise RuntimeError(f"all_reduce gave {value.item()} in a world of {world_size}")
+        if log:
+            entry = dict(time=time.time(), rank=rank, world_size=world_size, round=round_, restarts=restarts, step=step)
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+        time.sleep(args.step_time)
+    dist.destroy_process_group()
+    print(f"rank {rank}/{world_size} done after {args.steps} collectives", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

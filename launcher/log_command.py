@@ -1,0 +1,90 @@
+"""`elastic-run log`: a job's membership log from etcd (or a membership.jsonl), as a table or JSON lines, or followed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from launcher import etcd_client, membership_log
+from launcher.membership_log import MembershipEvent
+from launcher.records import JobKeys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic-run log", description="Show a job's membership log.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--rdzv-endpoint", "--rdzv_endpoint", help="etcd host:port of the job")
+    source.add_argument("--file", type=Path, help="a membership.jsonl from an agent's --log-dir instead of etcd")
+    parser.add_argument("--rdzv-id", "--rdzv_id", help="the job id (required with --rdzv-endpoint)")
+    parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    parser.add_argument("--follow", "-f", action="store_true", help="keep printing events as they arrive")
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between polls with --follow")
+    return parser
+
+
+def _print(events: list[MembershipEvent], as_json: bool, header: bool) -> None:
+    if not events:
+        return
+    if as_json:
+        text = "\n".join(e.dumps() for e in events)
+    else:
+        text = membership_log.format_table(events, header=header)
+    print(text, flush=True)
+
+
+def _from_file(path: Path, args: argparse.Namespace) -> int:
+    if not path.is_file():
+        print(f"elastic-run log: error: no membership log at {path}", file=sys.stderr)
+        return 2
+    offset, header = 0, True
+    while True:
+        with open(path) as file:
+            file.seek(offset)
+            chunk = file.read()
+            offset = file.tell()
+        events = [MembershipEvent.model_validate_json(line) for line in chunk.splitlines() if line.strip()]
+        _print(events, args.json, header)
+        header = header and not events
+        if not args.follow or any(e.event in membership_log.TERMINAL_EVENTS for e in events):
+            return 0
+        time.sleep(args.interval)
+
+
+def _from_etcd(args: argparse.Namespace) -> int:
+    if not args.rdzv_id:
+        print("elastic-run log: error: --rdzv-id is required with --rdzv-endpoint", file=sys.stderr)
+        return 2
+    try:
+        client = etcd_client.connect(args.rdzv_endpoint)
+        etcd_client.check_reachable(client, args.rdzv_endpoint)
+    except (ValueError, etcd_client.EtcdUnreachable) as exc:
+        print(f"elastic-run log: error: {exc}", file=sys.stderr)
+        return 1
+    keys, seen, header = JobKeys(args.rdzv_id), 0, True
+    try:
+        events = etcd_client.call_with_retry(membership_log.read_events, client, keys)
+        if not events and not args.follow:
+            print(f"elastic-run log: error: no events for job {args.rdzv_id!r} at {args.rdzv_endpoint} "
+                  "(check --rdzv-id)", file=sys.stderr)  # fmt: skip
+            return 1
+        while True:
+            _print(events, args.json, header)
+            if events:
+                header, seen = False, events[-1].revision
+            if not args.follow or any(e.event in membership_log.TERMINAL_EVENTS for e in events):
+                return 0
+            time.sleep(args.interval)
+            events = etcd_client.call_with_retry(membership_log.read_events, client, keys, seen)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.file is not None:
+        return _from_file(args.file, args)
+    return _from_etcd(args)

@@ -1,0 +1,153 @@
+"""The membership log: events appended in etcd, mirrored to <log-dir>/membership.jsonl, rendered as a table."""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from launcher.records import JobKeys
+
+EventName = Literal[
+    "node_joined",
+    "node_left",
+    "node_lost",
+    "round_started",
+    "worker_failed",
+    "restart",
+    "job_finished",
+    "job_failed",
+]
+TERMINAL_EVENTS = {"job_finished", "job_failed"}
+LOG_FILE_NAME = "membership.jsonl"
+
+_sequence = itertools.count()
+
+
+class MembershipEvent(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    event: EventName
+    time: float
+    round: int | None = None
+    node: str | None = None
+    world_size: int | None = None
+    members: list[dict] | None = None
+    local_rank: int | None = None
+    rank: int | None = None
+    exit_code: int | None = None
+    restart_count: int | None = None
+    reason: str | None = None
+    message: str | None = None
+    revision: int | None = None  # etcd create revision: the order of the log, filled in when read back
+
+    def dumps(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+def new_event(event: EventName, **fields) -> MembershipEvent:
+    return MembershipEvent(event=event, time=time.time(), **fields)
+
+
+def event_put(client, keys: JobKeys, event: MembershipEvent, author: str):
+    """A transaction operation that appends `event`; the key sorts by time within one etcd revision."""
+    key = f"{keys.events}{time.time_ns():020d}-{author}-{next(_sequence):06d}"
+    return client.transactions.put(key, event.dumps())
+
+
+def append(client, keys: JobKeys, event: MembershipEvent, author: str) -> None:
+    client.transaction(compare=[], success=[event_put(client, keys, event, author)], failure=[])
+
+
+def read_events(client, keys: JobKeys, after_revision: int = 0) -> list[MembershipEvent]:
+    """Events with an etcd revision above `after_revision`, in log order."""
+    # events are never modified, so their mod revision is their create revision
+    kwargs = {"min_mod_revision": after_revision + 1} if after_revision else {}
+    found = []
+    for raw, meta in client.get_prefix(keys.events, **kwargs):
+        event = MembershipEvent.model_validate_json(raw)
+        event.revision = meta.create_revision
+        found.append((meta.create_revision, meta.key, event))
+    found.sort(key=lambda item: (item[0], item[1]))
+    return [event for _, _, event in found]
+
+
+class LogMirror:
+    """Appends the job's events from etcd to one membership.jsonl, once each, even when agents share the file."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.path = Path(log_dir) / LOG_FILE_NAME
+        self.seen_revision = 0
+
+    def sync(self, client, keys: JobKeys) -> None:
+        events = read_events(client, keys, self.seen_revision)
+        if not events:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+") as file:
+            fcntl.flock(file, fcntl.LOCK_EX)
+            written = _last_revision(file)
+            fresh = [e for e in events if e.revision > written]
+            file.write("".join(e.dumps() + "\n" for e in fresh))
+            file.flush()
+            os.fsync(file.fileno())
+        self.seen_revision = events[-1].revision
+
+
+def _last_revision(file) -> int:
+    file.seek(0, os.SEEK_END)
+    size = file.tell()
+    file.seek(max(0, size - 65536))
+    lines = file.read().splitlines()
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line).get("revision", 0))
+        except (ValueError, AttributeError):
+            continue
+    return 0
+
+
+def _details(event: MembershipEvent) -> str:
+    parts = []
+    if event.world_size is not None:
+        parts.append(f"world_size={event.world_size}")
+    if event.members:
+        ranks = " ".join(f"{m['node']}[{m['first_rank']}-{m['last_rank']}]" for m in event.members)
+        parts.append(f"members={ranks}")
+    for name in ("local_rank", "rank", "exit_code", "restart_count"):
+        value = getattr(event, name)
+        if value is not None:
+            parts.append(f"{name}={value}")
+    if event.reason:
+        parts.append(f"reason={event.reason}")
+    if event.message:
+        parts.append(event.message.splitlines()[0][:160])
+    return " ".join(parts)
+
+
+def format_table(events: Iterable[MembershipEvent], header: bool = True) -> str:
+    rows = [
+        (
+            datetime.fromtimestamp(e.time).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+            "" if e.round is None else str(e.round),
+            e.event,
+            e.node or "",
+            _details(e),
+        )
+        for e in events
+    ]
+    titles = ("TIME", "ROUND", "EVENT", "NODE", "DETAILS")
+    widths = [23, 5, 13, max([len(r[3]) for r in rows] + [4])]
+    lines = []
+    if header:
+        lines.append("  ".join(t.ljust(w) for t, w in zip(titles, widths)) + "  " + titles[-1])
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    return "\n".join(lines)

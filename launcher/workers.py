@@ -1,0 +1,164 @@
+"""One node's workers for one round: their environment (torchrun's contract), logs, exit codes and teardown."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from launcher.config import LaunchConfig, Std
+from launcher.process_tree import orphan_safe_command, stop_group
+from launcher.records import MasterRecord, Member, RoundRecord, WorkerFailure
+
+logger = logging.getLogger(__name__)
+
+
+def worker_env(config: LaunchConfig, round_: RoundRecord, member: Member, master: MasterRecord, local_rank: int,
+               error_file: Path) -> dict[str, str]:  # fmt: skip
+    """The variables torchrun sets for a worker, plus ELASTIC_ROUND."""
+    rank = member.first_rank + local_rank
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        GROUP_RANK=str(member.group_rank),
+        ROLE_RANK=str(rank),
+        ROLE_NAME=config.role,
+        LOCAL_WORLD_SIZE=str(member.nproc),
+        WORLD_SIZE=str(round_.world_size),
+        GROUP_WORLD_SIZE=str(len(round_.members)),
+        ROLE_WORLD_SIZE=str(round_.world_size),
+        MASTER_ADDR=master.addr,
+        MASTER_PORT=str(master.port),
+        TORCHELASTIC_RESTART_COUNT=str(round_.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RUN_ID=config.rdzv_id,
+        # rank 0 serves a fresh store on the round's own port: no key of an earlier round can be read back
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCHELASTIC_ERROR_FILE=str(error_file),
+        TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+        ELASTIC_ROUND=str(round_.round),
+    )
+    if member.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def read_error_file(path: Path) -> tuple[str, str, float | None]:
+    """(message, traceback, time written) from torch's @record error file; empty when there is none."""
+    try:
+        data = json.loads(path.read_text())
+        written = path.stat().st_mtime
+    except (OSError, ValueError):
+        return "", "", None
+    message = data.get("message", {})
+    if isinstance(message, str):
+        return message, "", written
+    extra = message.get("extraInfo", {})
+    return str(message.get("message", "")), str(extra.get("py_callstack", "")), written
+
+
+def _pump(source: IO[bytes], log_file: IO[bytes], console: IO[str] | None, prefix: str) -> None:
+    """Copy a worker's stream line by line into its log file and, for --tee, onto the agent's console."""
+    with source, log_file:
+        for line in iter(source.readline, b""):
+            log_file.write(line)
+            log_file.flush()
+            if console is not None:
+                console.write(prefix + line.decode(errors="replace"))
+                console.flush()
+
+
+class WorkerGroup:
+    """The local workers of one round, each in its own process group so its whole tree can be stopped."""
+
+    def __init__(self, config: LaunchConfig, round_: RoundRecord, member: Member, master: MasterRecord) -> None:
+        self.config = config
+        self.round = round_
+        self.member = member
+        self.master = master
+        self.attempt_dir = config.log_dir / config.node_id / f"attempt_{round_.round}"
+        self.processes: list[subprocess.Popen] = []
+        self._pumps: list[threading.Thread] = []
+        self._exited_at: dict[int, float] = {}
+
+    def start(self) -> None:
+        command = orphan_safe_command(self.config.worker_command())
+        for local_rank in range(self.member.nproc):
+            directory = self.attempt_dir / str(local_rank)
+            directory.mkdir(parents=True, exist_ok=True)
+            error_file = directory / "error.json"
+            error_file.unlink(missing_ok=True)
+            env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
+            streams = {name: self._stream_target(directory, local_rank, name) for name in ("stdout", "stderr")}
+            process = subprocess.Popen(
+                command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                stdout=streams["stdout"][0], stderr=streams["stderr"][0],
+            )  # fmt: skip
+            for name, (target, log_file, console) in streams.items():
+                if target is subprocess.PIPE:
+                    prefix = f"[{self.config.role}{self.member.first_rank + local_rank}]:"
+                    pump = threading.Thread(target=_pump, args=(getattr(process, name), log_file, console, prefix),
+                                            daemon=True)  # fmt: skip
+                    pump.start()
+                    self._pumps.append(pump)
+                elif log_file is not None:
+                    log_file.close()  # the child holds its own descriptor
+            self.processes.append(process)
+        logger.info("round %d: started %d worker(s), ranks %d-%d of %d, logs in %s", self.round.round,
+                    self.member.nproc, self.member.first_rank, self.member.last_rank, self.round.world_size,
+                    self.attempt_dir)  # fmt: skip
+
+    def _stream_target(self, directory: Path, local_rank: int, name: str):
+        """(Popen argument, log file, console) for one stream under --redirects/--tee."""
+        includes = Std.includes_out if name == "stdout" else Std.includes_err
+        tee = includes(self.config.std_for(self.config.tee, local_rank))
+        redirect = tee or includes(self.config.std_for(self.config.redirects, local_rank))
+        if not redirect:
+            return None, None, None
+        log_file = open(directory / f"{name}.log", "ab")
+        if not tee:
+            return log_file, log_file, None
+        shown = self.config.local_ranks_filter is None or local_rank in self.config.local_ranks_filter
+        console = (sys.stdout if name == "stdout" else sys.stderr) if shown else None
+        return subprocess.PIPE, log_file, console
+
+    def poll(self) -> tuple[str, list[WorkerFailure]]:
+        """('running' | 'failed' | 'succeeded', failures earliest first)."""
+        now = time.time()
+        for local_rank, process in enumerate(self.processes):
+            if process.poll() is not None:
+                self._exited_at.setdefault(local_rank, now)
+        failures = [self._failure(r) for r, p in enumerate(self.processes) if p.returncode not in (None, 0)]
+        if failures:
+            return "failed", sorted(failures, key=lambda f: (f.time, f.rank))
+        if len(self._exited_at) == len(self.processes):
+            return "succeeded", []
+        return "running", []
+
+    def _failure(self, local_rank: int) -> WorkerFailure:
+        directory = self.attempt_dir / str(local_rank)
+        message, traceback, written = read_error_file(directory / "error.json")
+        if not traceback:
+            stderr_log = directory / "stderr.log"
+            if stderr_log.is_file():
+                traceback = stderr_log.read_text(errors="replace")[-4000:]
+        return WorkerFailure(
+            node=self.config.node_id, round=self.round.round, local_rank=local_rank,
+            rank=self.member.first_rank + local_rank, exit_code=self.processes[local_rank].returncode,
+            time=written or self._exited_at[local_rank], message=message, traceback=traceback,
+        )  # fmt: skip
+
+    def stop(self, signum: int | None = None) -> None:
+        """Stop every worker and its descendants: `signum` (SIGTERM by default), then SIGKILL after the grace."""
+        import signal
+
+        stop_group(self.processes, self.config.worker_stop_timeout, signum or signal.SIGTERM)
+        for pump in self._pumps:
+            pump.join(timeout=2)
