@@ -1,0 +1,309 @@
+"""Reference trainer: a small character-level GPT that survives failures and resizes.
+
+Run it under elastic-run or torchrun, e.g.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/train.py --ckpt-dir /tmp/ckpt
+
+Stop it with --stop-at STEP, then start it again at another world size: it
+continues with the same samples in the same order, the same learning rate at
+every step and, up to float rounding, the same losses. Everything it carries
+across a restart is global (the model and optimizer shards, the samples
+consumed, the global step); what each rank does is derived from that at the
+current world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+import types
+import typing
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Dataset
+
+from elastic.checkpoint import CheckpointManager, ModelState
+from elastic.rng import per_sample_dropout, sample_generator
+from elastic.sampling import ElasticSampler, MicroBatch, SamplingConfig
+from elastic.schedule import GlobalStepLR, WarmupCosineConfig, warmup_cosine
+
+logger = logging.getLogger("train")
+
+# A failure injected with --crash-at exits with this code, so a test can tell it from a real error.
+CRASH_EXIT_CODE = 17
+
+
+class TrainConfig(BaseModel):
+    """Every command-line flag is a field here (--global-batch sets global_batch)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    steps: int = Field(300, gt=0, description="total optimizer steps; the LR schedule spans them")
+    global_batch: int = Field(16, gt=0, description="sequences per step over all ranks, whatever the world size")
+    micro_batch: int | None = Field(8, gt=0, description="most sequences per forward pass; more become gradient accumulation")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate of AdamW")
+    warmup_steps: int | None = Field(None, ge=0, description="linear warm-up before the cosine decay (default: a tenth of --steps)")
+    seed: int = Field(0, ge=0, description="seed of the model init, the data order and per-sample dropout")
+    ckpt_dir: Path | None = Field(None, description="checkpoint directory shared by all ranks; none: no checkpoints")
+    ckpt_every: int = Field(50, gt=0, description="save a checkpoint every this many steps")
+    stop_at: int | None = Field(None, gt=0, description="exit 0 once the checkpoint of this step is committed")
+    crash_at: int | None = Field(None, gt=0, description="simulate a failure: rank 0 dies after this step, in round 0 only")
+    sample_log: Path | None = Field(None, description="append one JSON line per rank and step: samples, loss, lr")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
+    seq_len: int = Field(64, gt=1, description="characters per training sequence")
+    n_layer: int = Field(2, gt=0, description="transformer blocks")
+    n_head: int = Field(4, gt=0, description="attention heads")
+    d_model: int = Field(64, gt=0, description="width of the residual stream")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="per-sample dropout on embeddings and residual branches")
+    corpus_chars: int = Field(200_000, gt=0, description="size of the generated text corpus")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
+        if self.stop_at is not None and self.ckpt_dir is None:
+            raise ValueError("--stop-at needs --ckpt-dir: a later run resumes from the checkpoint of that step")
+        if self.warmup_steps is not None and self.warmup_steps > self.steps:
+            raise ValueError(f"--warmup-steps ({self.warmup_steps}) exceeds --steps ({self.steps})")
+        return self
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, field in TrainConfig.model_fields.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"), type=_flag_type(field.annotation), default=field.default, help=field.description
+        )
+    try:
+        return TrainConfig(**vars(parser.parse_args(argv)))
+    except ValidationError as error:
+        parser.error(str(error))
+
+
+def _flag_type(annotation: object) -> type:
+    """int for `int | None`: argparse converts to the non-None member of an optional field."""
+    if isinstance(annotation, types.UnionType):
+        return next(member for member in typing.get_args(annotation) if member is not type(None))
+    return annotation
+
+
+# --- data: a generated corpus, so the example needs no download -------------------------------
+
+SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "the teacher", "our neighbour"]
+VERBS = ["sees", "likes", "chases", "builds", "finds", "paints", "carries", "forgets"]
+OBJECTS = ["a red ball", "the green door", "an apple", "the long road", "a paper boat", "the blue house", "two stones"]
+ENDINGS = ["", " today", " at night", " in the park", " after lunch", " again"]
+
+
+def generate_corpus(chars: int) -> str:
+    """Sentences from a tiny grammar: varied enough to learn for a while, the same on every rank and run."""
+    rng = random.Random(1234)
+    sentences = []
+    length = 0
+    while length < chars:
+        words = f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}{rng.choice(ENDINGS)}."
+        sentence = words[0].upper() + words[1:] + ("\n" if rng.random() < 0.2 else " ")
+        sentences.append(sentence)
+        length += len(sentence)
+    return "".join(sentences)[:chars]
+
+
+class CharWindows(Dataset):
+    """Non-overlapping windows of a character-encoded text; sample i is (input, next-character target)."""
+
+    def __init__(self, text: str, seq_len: int) -> None:
+        self.vocab = sorted(set(text))
+        lookup = {char: code for code, char in enumerate(self.vocab)}
+        self.tokens = torch.tensor([lookup[char] for char in text], dtype=torch.long)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.tokens[index * self.seq_len : (index + 1) * self.seq_len + 1]
+        return window[:-1], window[1:]
+
+
+# --- model: nanoGPT-style, with dropout drawn per sample -------------------------------------
+# Dropout masks come from generators keyed by (seed, step, sample index), so a sample is dropped
+# out the same way whichever rank, micro-batch or world size processes it.
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: TrainConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    def __init__(self, config: TrainConfig) -> None:
+        super().__init__()
+        self.dropout = config.dropout
+        self.attn_norm = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
+        )
+
+    def forward(self, x: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        x = x + per_sample_dropout(self.attn(self.attn_norm(x)), self.dropout, generators)
+        return x + per_sample_dropout(self.mlp(self.mlp_norm(x)), self.dropout, generators)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: TrainConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.dropout = config.dropout
+        self.token_embedding = nn.Embedding(vocab_size, config.d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = per_sample_dropout(self.token_embedding(tokens) + self.position_embedding(positions), self.dropout, generators)
+        for block in self.blocks:
+            x = block(x, generators)
+        return self.head(self.final_norm(x))
+
+
+def shard(model: GPT) -> None:
+    """FSDP2: one unit per block, the root holds the embeddings and the head."""
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+# --- one training step ------------------------------------------------------------------------
+
+
+def train_step(
+    model: GPT, plan: list[MicroBatch], batches: typing.Iterator, seed: int, step: int
+) -> tuple[float, list[int]]:
+    """Forward/backward every pass of this rank's share; returns the share's summed loss and its samples.
+
+    Each pass weights its mean loss by `loss_weight`, so the gradient FSDP averages over ranks is the
+    mean over the global batch however the batch was shared.
+    """
+    loss_sum = 0.0
+    samples: list[int] = []
+    for micro_batch in plan:
+        tokens, targets = next(batches)
+        generators = [sample_generator(seed, step, index) for index in micro_batch.indices]
+        logits = model(tokens, generators)
+        token_losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        sample_losses = token_losses.view(len(micro_batch.indices), -1).mean(dim=1)
+        (sample_losses.mean() * micro_batch.loss_weight).backward()
+        if not micro_batch.padding:
+            loss_sum += sample_losses.sum().item()
+            samples.extend(micro_batch.indices)
+    return loss_sum, samples
+
+
+def append_sample_log(path: Path, record: dict) -> None:
+    # One write() on an O_APPEND descriptor: lines from concurrent ranks never interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def main(config: TrainConfig) -> None:
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    round_number = int(os.environ.get("ELASTIC_ROUND", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+
+    dataset = CharWindows(generate_corpus(config.corpus_chars), config.seq_len)
+    torch.manual_seed(config.seed)  # the same initial weights on every rank, before sharding
+    model = GPT(config, vocab_size=len(dataset.vocab))
+    shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = config.warmup_steps if config.warmup_steps is not None else config.steps // 10
+    schedule = GlobalStepLR(optimizer, warmup_cosine(WarmupCosineConfig(total_steps=config.steps, warmup_steps=warmup)))
+    sampling = SamplingConfig(
+        dataset_size=len(dataset), global_batch=config.global_batch, micro_batch=config.micro_batch, seed=config.seed
+    )
+    sampler = ElasticSampler(sampling, rank, world_size)
+
+    # The keys match torchtitan's entries, so a torchtitan checkpoint's per-rank "dataloader"
+    # and its "lr_scheduler" are recognised as foreign layouts and regenerated from the step.
+    state = {"model": ModelState(model, optimizer), "dataloader": sampler, "lr_scheduler": schedule}
+    manager = CheckpointManager(config.ckpt_dir, keep=3, async_save=True) if config.ckpt_dir else None
+    start = (manager.load_latest(state) if manager else None) or 0
+    if config.stop_at is not None and start >= config.stop_at:
+        logger.info("checkpoint of step %d is committed, at or past --stop-at %d: nothing to do", start, config.stop_at)
+        finish(manager)
+        return
+    if rank == 0:
+        logger.info(
+            "round %d: %d ranks, %d sequences of %d characters, global batch %d, %d passes per step, from step %d",
+            round_number, world_size, len(dataset), config.seq_len, config.global_batch,
+            len(sampler.step_plan()), start,
+        )
+
+    batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers))
+    for step in range(start + 1, config.steps + 1):
+        started = time.perf_counter()
+        lr = schedule.current_lrs()[0]
+        loss_sum, samples = train_step(model, sampler.step_plan(), batches, config.seed, step)
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.advance()
+        sampler.complete_step()
+
+        total = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(total)
+        loss = total.item() / config.global_batch
+        if config.sample_log:
+            record = {"step": step, "rank": rank, "world_size": world_size, "round": round_number,
+                      "samples": samples, "loss": loss, "lr": lr}  # fmt: skip
+            append_sample_log(config.sample_log, record)
+        if rank == 0:
+            rate = config.global_batch / (time.perf_counter() - started)
+            print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.3e} | world {world_size} | {rate:7.1f} samples/s", flush=True)
+
+        if config.crash_at == step and round_number == 0 and rank == 0:
+            logger.error("simulated failure after step %d (--crash-at)", step)
+            os._exit(CRASH_EXIT_CODE)
+        if manager and (step % config.ckpt_every == 0 or step in (config.steps, config.stop_at)):
+            manager.save(step, state)
+        if config.stop_at == step:
+            manager.wait()
+            logger.info("checkpoint of step %d committed; stopping (--stop-at)", step)
+            break
+    finish(manager)
+
+
+def finish(manager: CheckpointManager | None) -> None:
+    if manager:
+        manager.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(parse_config(sys.argv[1:]))
