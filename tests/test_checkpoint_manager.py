@@ -226,3 +226,15 @@ def test_background_failure_is_raised_at_the_next_save(tmp_path: Path, monkeypat
 def test_keep_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="keep"):
         CheckpointManager(tmp_path, keep=0)
+
+
+def test_full_disk_fails_at_step_zero_naming_directory_and_cause(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(FileSystemWriter, "write_data", FailingWrite())
+    manager = CheckpointManager(tmp_path / "full")
+    with pytest.raises(CheckpointError) as failure:
+        manager.load_latest(make_state(seed=0))
+    manager.close()
+    message = str(failure.value)
+    assert f"checkpoint directory {tmp_path / 'full'} failed the step-0 check" in message
+    assert "No space left on device" in message and "\n" not in message
+    assert committed_steps(tmp_path / "full") == []

@@ -1,0 +1,158 @@
+"""Checkpointing across real gloo ranks: crash mid-save, per-rank values, step-0 failure, replica sync."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from elastic.checkpoint import CheckpointError, CheckpointManager, ModelState, sync_module_states
+from elastic.checkpoint.global_values import PerRankStateError
+from elastic.checkpoint.layout import scan
+from multiproc import Job, run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def linear_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(64, 64)
+    return {"model": ModelState(model, torch.optim.AdamW(model.parameters()))}
+
+
+def save_then_hang_in_async_save(rank: int, world_size: int, directory: str, ready: str) -> None:
+    state = linear_state(seed=0)
+    manager = CheckpointManager(directory, async_save=True)
+    manager.load_latest(state)
+    manager.save(1, state)
+    manager.wait()
+    write_data = FileSystemWriter.write_data
+
+    def write_then_hang(self, plan, planner):
+        written = write_data(self, plan, planner)
+        written.wait()
+        Path(f"{ready}.{rank}").touch()
+        time.sleep(600)  # killed here, with this rank's data file on disk and no metadata or commit
+        return written
+
+    FileSystemWriter.write_data = write_then_hang
+    manager.save(2, state)
+    time.sleep(600)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigkill_during_async_save_leaves_a_torn_folder_that_load_skips(tmp_path: Path, caplog) -> None:
+    directory, ready = tmp_path / "ckpt", tmp_path / "ready"
+    job = Job(2, save_then_hang_in_async_save, str(directory), str(ready))
+    try:
+        deadline = time.monotonic() + 90
+        while not all(Path(f"{ready}.{rank}").exists() for rank in range(2)):
+            assert time.monotonic() < deadline, "the ranks never reached the background write of step 2"
+            assert all(process.is_alive() for process in job.processes), "a rank died before step 2"
+            time.sleep(0.1)
+    finally:
+        job.kill()
+    assert {path.name for path in (directory / "step-2").iterdir()} == {"__0_0.distcp", "__1_0.distcp"}
+    manager = CheckpointManager(directory, check_at_start=False)
+    state = linear_state(seed=1)
+    with caplog.at_level(logging.WARNING):
+        assert manager.load_latest(state) == 1
+    assert f"torn checkpoint {directory / 'step-2'}" in caplog.text
+    manager.save(2, state)  # the torn folder is cleared and saved into
+    manager.close()
+    assert [(entry.step, entry.committed) for entry in scan(directory)] == [(0, True), (1, True), (2, True)]
+
+
+def save_per_rank_values(rank: int, world_size: int, directory: str) -> list[str]:
+    manager = CheckpointManager(directory, async_save=False, check_at_start=False)
+    messages = []
+    for step, extra in enumerate(
+        [{"seen": rank}, {f"dp_rank_{rank}": 1}, {"rng": torch.tensor([rank], dtype=torch.uint8)}], start=1
+    ):
+        state = {**linear_state(seed=0), "progress": extra}
+        with pytest.raises(PerRankStateError) as failure:
+            manager.save(step, state)
+        messages.append(str(failure.value))
+    manager.save(4, {**linear_state(seed=0), "progress": {"seen": 4}})
+    manager.close()
+    return messages
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_per_rank_values_are_rejected_on_every_rank(tmp_path: Path) -> None:
+    for messages in run_ranks(2, save_per_rank_values, str(tmp_path)):
+        assert "'progress.seen' differs between rank 0 and rank 1" in messages[0]
+        assert "progress.dp_rank_" in messages[1] and "exists on only one of" in messages[1]
+        assert "'progress.rng' differs" in messages[2]
+        assert all("keep this state global" in message for message in messages)
+    assert [(entry.step, entry.committed) for entry in scan(tmp_path)] == [(4, True)]
+
+
+def start_in_unwritable_directory(rank: int, world_size: int, directory: str) -> str:
+    manager = CheckpointManager(directory)
+    with pytest.raises(CheckpointError) as failure:
+        manager.load_latest(linear_state(seed=0))
+    manager.close()
+    return str(failure.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_unwritable_directory_fails_on_every_rank_at_step_zero(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    directory = blocker / "checkpoints"
+    for message in run_ranks(2, start_in_unwritable_directory, str(directory)):
+        assert str(directory) in message and "Not a directory" in message
+
+
+def replicas_after_sync(rank: int, world_size: int) -> list[torch.Tensor]:
+    # HSDP: 2 replicas x 2 shards, each replica initialised differently, plus a plain (unsharded) buffer.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(mesh.get_local_rank("replicate"))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.BatchNorm1d(6))
+    model[1].running_mean.uniform_()
+    fully_shard(model, mesh=mesh)
+    assert isinstance(model[0].weight, DTensor)
+    sync_module_states(model, mesh.get_group("replicate"), src=0)
+    local = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in model.state_dict().values()]
+    return [tensor.detach().clone() for tensor in local]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_sync_module_states_makes_replicas_identical() -> None:
+    # Ranks 0 and 2 hold shard 0 in replicas 0 and 1; ranks 1 and 3 hold shard 1.
+    results = run_ranks(4, replicas_after_sync)
+    for first, second in ((0, 2), (1, 3)):
+        assert len(results[first]) == len(results[second])
+        for mine, theirs in zip(results[first], results[second]):
+            assert torch.equal(mine, theirs)
+    assert not torch.equal(results[0][0], results[1][0]), "different shards must stay different"
+
+
+def plain_replicas_after_sync(rank: int, world_size: int) -> list[torch.Tensor]:
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 2)
+    sync_module_states(model, None, src=1)
+    return [tensor.detach().clone() for tensor in model.state_dict().values()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_sync_module_states_on_a_plain_module_copies_from_src() -> None:
+    results = run_ranks(2, plain_replicas_after_sync)
+    torch.manual_seed(1)
+    expected = torch.nn.Linear(3, 2).state_dict().values()
+    for rank in range(2):
+        assert all(torch.equal(got, want) for got, want in zip(results[rank], expected))
