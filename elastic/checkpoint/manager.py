@@ -25,7 +25,7 @@ from elastic.checkpoint.foreign_state import REGENERATE_METHOD, split_entries, s
 from elastic.checkpoint.global_values import PerRankStateError, reject_per_rank_values
 from elastic.checkpoint.integrity import verify_readable
 from elastic.checkpoint.layout import CheckpointEntry, CheckpointError, read_commit_record, scan, step_dir, write_commit_record
-from elastic.checkpoint.ranks import RankFailure, Ranks
+from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
 
 logger = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class CheckpointManager:
             raise
         except (Exception, CheckpointException) as error:
             raise CheckpointError(
-                f"checkpoint directory {self.directory} failed the step-0 check: {error}. "
+                f"checkpoint directory {self.directory} failed the step-0 check: {describe_error(error)}. "
                 "Use a writable directory with free space that every node sees at the same path, "
                 "or pass check_at_start=False"
             ) from None
