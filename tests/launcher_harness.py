@@ -1,0 +1,158 @@
+"""Real elastic-run agents against a real etcd, for the launcher's scenario tests.
+
+Every process starts in its own session so a test can kill exactly one node (agent pid, workers die with it),
+and `Cluster.close` kills whatever is left, stopped or not, even when the test failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = REPO / "examples" / "collective_probe.py"
+FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=60"
+
+
+def elastic_run_command() -> list[str]:
+    """The installed console script when there is one (what users run), else the module."""
+    script = shutil.which("elastic-run")
+    return [script] if script else [sys.executable, "-m", "launcher.cli"]
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("PET_NNODES", None)
+    return env
+
+
+class Agent:
+    def __init__(self, node_id: str, process: subprocess.Popen, log_dir: Path, output: Path) -> None:
+        self.node_id = node_id
+        self.process = process
+        self.log_dir = log_dir
+        self.output = output
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def membership(self) -> list[dict]:
+        path = self.log_dir / "membership.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+class Cluster:
+    """Agents of one or more jobs on one etcd endpoint, all under `root`."""
+
+    def __init__(self, endpoint: str, root: Path) -> None:
+        self.endpoint = endpoint
+        self.root = root
+        self.agents: list[Agent] = []
+        self.probe_log = root / "probe.jsonl"
+
+    def start(self, node_id: str, script_args: list[str], *, rdzv_id: str = "job", nnodes: str = "1",
+              nproc: int = 2, rdzv_conf: str = FAST_RDZV, extra: list[str] = (), script: Path = PROBE,
+              env: dict[str, str | None] | None = None) -> Agent:  # fmt: skip
+        log_dir = self.root / node_id
+        log_dir.mkdir(parents=True, exist_ok=True)
+        command = [
+            *elastic_run_command(), "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "etcd", "--rdzv-endpoint", self.endpoint, "--rdzv-id", rdzv_id,
+            "--rdzv-conf", rdzv_conf, "--node-id", node_id, "--log-dir", str(log_dir),
+            "--worker-stop-timeout", "2", *extra, str(script), *script_args,
+        ]  # fmt: skip
+        output = self.root / f"{node_id}.out"
+        process_env = worker_env()
+        for name, value in (env or {}).items():
+            if value is None:
+                process_env.pop(name, None)
+            else:
+                process_env[name] = value
+        with open(output, "ab") as sink:
+            process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=process_env,
+                                       cwd=REPO, start_new_session=True)  # fmt: skip
+        agent = Agent(node_id, process, log_dir, output)
+        self.agents.append(agent)
+        return agent
+
+    def probe(self, steps: int = 400, step_time: float = 0.1, *more: str) -> list[str]:
+        return ["--steps", str(steps), "--step-time", str(step_time), "--log", str(self.probe_log), *more]
+
+    def collectives(self) -> list[dict]:
+        if not self.probe_log.is_file():
+            return []
+        return [json.loads(line) for line in self.probe_log.read_text().splitlines() if line.strip()]
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.dump()}")
+
+    def wait_for_world(self, world_size: int, timeout: float, after: float = 0.0) -> dict:
+        def first():
+            return next((c for c in self.collectives() if c["world_size"] == world_size and c["time"] > after), None)
+
+        return self.wait_for(first, timeout, f"a collective in a world of {world_size}")
+
+    def dump(self) -> str:
+        parts = []
+        for agent in self.agents:
+            parts.append(f"--- {agent.node_id} (pid {agent.pid}, rc {agent.process.poll()}) ---\n{agent.text()[-3000:]}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for agent in self.agents:
+            for signum in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(agent.pid, signum)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                agent.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def events(agent: Agent, name: str) -> list[dict]:
+    return [e for e in agent.membership() if e["event"] == name]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found

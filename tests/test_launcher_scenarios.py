@@ -1,0 +1,236 @@
+"""elastic-run end to end: real agents, real workers, a real etcd; nodes killed, stopped, added."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from launcher_harness import REPO, children, elastic_run_command, events, pid_alive
+
+pytestmark = pytest.mark.slow
+
+
+def test_unmodified_torchrun_script_gets_torchruns_environment(cluster, tmp_path):
+    out = tmp_path / "env"
+    out.mkdir()
+    script = REPO / "tests" / "workers" / "env_dump.py"
+    agents = [
+        cluster.start(f"node{i}", [str(out)], nnodes="2", nproc=2, script=script, env={"OMP_NUM_THREADS": None})
+        for i in range(2)
+    ]
+    for agent in agents:
+        assert agent.wait(timeout=90) == 0, cluster.dump()
+
+    records = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(records) == [0, 1, 2, 3]
+    round_ = events(agents[0], "round_started")[0]
+    for rank, env in records.items():
+        member = next(m for m in round_["members"] if m["first_rank"] <= rank <= m["last_rank"])
+        local_rank = rank - member["first_rank"]
+        assert env["RANK"] == env["ROLE_RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == str(local_rank)
+        assert env["GROUP_RANK"] == str(member["group_rank"])
+        assert env["WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "4"
+        assert env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_WORLD_SIZE"] == "2"
+        assert env["ROLE_NAME"] == "default"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert env["TORCHELASTIC_RUN_ID"] == "job"
+        assert env["TORCHELASTIC_ERROR_FILE"] == str(
+            tmp_path / member["node"] / member["node"] / "attempt_0" / str(local_rank) / "error.json"
+        )
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert env["ELASTIC_ROUND"] == "0"
+        assert env["all_reduce"] == 4.0
+    assert len({env["MASTER_PORT"] for env in records.values()}) == 1
+
+
+def test_worker_crash_restarts_every_node_in_a_fresh_round(cluster, tmp_path):
+    probe = cluster.probe(8, 0.05, "--fail-rank", "1", "--fail-step", "2", "--fail-restarts", "1")
+    agent = cluster.start("solo", probe, nproc=2, extra=["--max-restarts", "1"])
+    assert agent.wait(timeout=90) == 0, cluster.dump()
+
+    failed = events(agent, "worker_failed")
+    assert [(e["rank"], e["local_rank"], e["exit_code"], e["round"]) for e in failed][:1] == [(1, 1, 1, 0)]
+    assert "injected failure" in failed[0]["message"]
+    assert [e["restart_count"] for e in events(agent, "restart")] == [1]
+    rounds = events(agent, "round_started")
+    assert [(r["round"], r["reason"], r["restart_count"]) for r in rounds] == [(0, "initial", 0), (1, "worker_failed", 1)]
+    assert [e["event"] for e in agent.membership()][-1] == "job_finished"
+
+    finished = [c for c in cluster.collectives() if c["round"] == 1]
+    assert {c["restarts"] for c in finished} == {1} and {c["rank"] for c in finished} == {0, 1}
+    assert max(c["step"] for c in finished) == 7
+    ports = {c["round"]: c["master_port"] for c in cluster.collectives()}
+    assert ports[0] != ports[1], "a new round must rendezvous on a fresh store"
+
+    # the membership log CLI shows the same events as the log file, as JSON and as a table
+    log = [*elastic_run_command(), "log", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", "job"]
+    as_json = subprocess.run([*log, "--json"], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert [json.loads(line) for line in as_json.splitlines()] == agent.membership()
+    table = subprocess.run(log, capture_output=True, text=True, timeout=30, check=True).stdout
+    assert table.splitlines()[0].split()[:4] == ["TIME", "ROUND", "EVENT", "NODE"]
+    assert "worker_failed" in table and "exit_code=1" in table and "job_finished" in table
+
+    # joining a finished job is not an error
+    late = cluster.start("late", probe, nproc=1)
+    assert late.wait(timeout=30) == 0
+    assert "already finished" in late.text()
+
+
+def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster):
+    probe = cluster.probe(60, 0.1)
+    agents = [cluster.start(n, probe, nnodes="2:3") for n in ("a", "b", "c")]
+    cluster.wait_for_world(6, timeout=90)
+    victim = agents[2]
+    victim_workers = children(victim.pid)
+    assert victim_workers, "the agent runs its workers as children"
+
+    killed_at = time.time()
+    os.kill(victim.pid, signal.SIGKILL)
+    cluster.wait_for(lambda: not any(pid_alive(p) for p in victim_workers), 10, "the dead node's workers to die")
+    cluster.wait_for_world(4, timeout=60, after=killed_at)
+    for agent in agents[:2]:
+        assert agent.wait(timeout=90) == 0, cluster.dump()
+
+    log = agents[0].membership()
+    lost = [e for e in log if e["event"] == "node_lost"]
+    assert [e["node"] for e in lost] == ["c"] and lost[0]["reason"] == "lease expired"
+    last_round = events(agents[0], "round_started")[-1]
+    assert last_round["world_size"] == 4 and last_round["reason"] == "node_lost"
+    assert sorted(m["node"] for m in last_round["members"]) == ["a", "b"]
+    assert not events(agents[0], "restart"), "losing a node is a membership change, not a counted restart"
+    assert log[-1]["event"] == "job_finished"
+
+
+def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster):
+    probe = cluster.probe(60, 0.1)
+    agents = [cluster.start(n, probe, nnodes="2:3") for n in ("a", "b", "c")]
+    cluster.wait_for_world(6, timeout=90)
+    victim = agents[2]
+    hung = [victim.pid, *children(victim.pid)]
+
+    stopped_at = time.time()
+    for pid in hung:  # a hung host: its agent and its workers stop answering, survivors block in all_reduce
+        os.kill(pid, signal.SIGSTOP)
+    cluster.wait_for_world(4, timeout=60, after=stopped_at)
+    for agent in agents[:2]:
+        assert agent.wait(timeout=90) == 0, cluster.dump()
+
+    assert [e["node"] for e in events(agents[0], "node_lost")] == ["c"]
+    assert events(agents[0], "round_started")[-1]["world_size"] == 4
+    assert events(agents[0], "job_finished")
+
+
+def test_node_added_mid_run_joins_a_six_worker_round(cluster):
+    probe = cluster.probe(400, 0.1)
+    first = [cluster.start(n, probe, nnodes="2:3") for n in ("a", "b")]
+    cluster.wait_for_world(4, timeout=90)
+    joiner = cluster.start("c", probe, nnodes="2:3")
+    cluster.wait_for_world(6, timeout=60)
+
+    log = first[0].membership() or cluster.wait_for(first[0].membership, 5, "the membership log")
+    cluster.wait_for(lambda: events(first[0], "round_started")[-1:] and
+                     events(first[0], "round_started")[-1]["world_size"] == 6, 10, "the log to show the round")  # fmt: skip
+    joined = next(e for e in events(first[0], "node_joined") if e["node"] == "c")
+    grown = events(first[0], "round_started")[-1]
+    assert grown["reason"] == "scale_up"
+    assert sorted(m["node"] for m in grown["members"]) == ["a", "b", "c"]
+    # it forms within last_call_timeout (1 s here) of the join, plus the controller's polling
+    assert grown["time"] - joined["time"] < 1 + 3
+    assert log and not events(first[0], "restart")
+    for agent in (*first, joiner):
+        os.kill(agent.pid, signal.SIGTERM)
+    for agent in (*first, joiner):
+        agent.wait(timeout=30)
+
+
+def test_spare_node_beyond_max_is_taken_in_when_a_member_is_lost(cluster):
+    probe = cluster.probe(400, 0.1)
+    agents = [cluster.start(n, probe, nnodes="1:2", nproc=1) for n in ("a", "b")]
+    cluster.wait_for_world(2, timeout=90)
+    spare = cluster.start("c", probe, nnodes="1:2", nproc=1)
+    cluster.wait_for(lambda: any(e["node"] == "c" for e in events(agents[0], "node_joined")), 20, "c to join")
+    time.sleep(2)  # longer than last_call_timeout: no round may form for a node beyond MAX
+    assert len(events(agents[0], "round_started")) == 1
+    assert "waiting as a spare" in spare.text()
+
+    killed_at = time.time()
+    os.kill(agents[1].pid, signal.SIGKILL)
+    cluster.wait_for_world(2, timeout=60, after=killed_at + 0.5)
+    cluster.wait_for(lambda: events(agents[0], "round_started")[-1]["round"] >= 1, 10, "the log to show round 1")
+    last = events(agents[0], "round_started")[-1]
+    assert sorted(m["node"] for m in last["members"]) == ["a", "c"]
+    for agent in (agents[0], spare):
+        os.kill(agent.pid, signal.SIGTERM)
+        agent.wait(timeout=30)
+
+
+def test_sigterm_to_an_agent_stops_its_workers_and_leaves_at_once(cluster):
+    probe = cluster.probe(400, 0.1)
+    agents = [cluster.start(n, probe, nnodes="2:3", nproc=1) for n in ("a", "b", "c")]
+    cluster.wait_for_world(3, timeout=90)
+    leaving = agents[2]
+    workers = children(leaving.pid)
+
+    os.kill(leaving.pid, signal.SIGTERM)
+    assert leaving.wait(timeout=20) == 128 + signal.SIGTERM
+    assert not any(pid_alive(p) for p in workers)
+    cluster.wait_for_world(2, timeout=60)
+    cluster.wait_for(lambda: events(agents[0], "node_left"), 10, "node_left in the log")
+    assert [e["node"] for e in events(agents[0], "node_left")] == ["c"]
+    assert not events(agents[0], "node_lost"), "a node that said goodbye is not 'lost'"
+    assert events(agents[0], "round_started")[-1]["reason"] == "node_left"
+    for agent in agents[:2]:
+        os.kill(agent.pid, signal.SIGTERM)
+        agent.wait(timeout=30)
+
+
+def test_max_restarts_exhausted_fails_every_agent_with_the_root_cause(cluster):
+    probe = cluster.probe(50, 0.05, "--fail-rank", "0", "--fail-step", "1", "--fail-restarts", "99")
+    agents = [cluster.start(n, probe, nnodes="2", nproc=1, extra=["--max-restarts", "1"]) for n in ("a", "b")]
+    codes = [agent.wait(timeout=120) for agent in agents]
+    assert all(code != 0 for code in codes), cluster.dump()
+
+    failed = events(agents[0], "job_failed")
+    assert len(failed) == 1
+    cause = failed[0]
+    assert (cause["rank"], cause["exit_code"]) == (0, 1)
+    rank0_node = next(m["node"] for m in events(agents[0], "round_started")[-1]["members"] if m["first_rank"] == 0)
+    assert cause["node"] == rank0_node
+    assert len(events(agents[0], "restart")) == 1
+    for agent in agents:
+        text = agent.text()
+        assert "root cause node" in text and "rank 0" in text and "exit code 1" in text, text[-2000:]
+        assert "injected failure at step 1 on rank 0" in text  # the traceback from the worker's error file
+
+
+def test_two_jobs_on_one_etcd_do_not_see_each_other(cluster, tmp_path):
+    jobs = {}
+    for job in ("alpha", "beta"):
+        log = tmp_path / f"{job}.jsonl"
+        jobs[job] = cluster.start(f"{job}-node", ["--steps", "5", "--step-time", "0.05", "--log", str(log)],
+                                  rdzv_id=job, nproc=1)  # fmt: skip
+    for agent in jobs.values():
+        assert agent.wait(timeout=90) == 0, cluster.dump()
+    for job, agent in jobs.items():
+        assert {e.get("node") for e in agent.membership()} - {None} == {f"{job}-node"}
+        assert [e["world_size"] for e in events(agent, "round_started")] == [1]
+
+
+def test_agents_ride_out_an_etcd_restart(cluster, etcd):
+    agent = cluster.start("solo", cluster.probe(100, 0.1), nproc=2)
+    cluster.wait_for_world(2, timeout=90)
+    etcd.process.kill()
+    etcd.process.wait()
+    time.sleep(3)  # longer than the lease: only a lease that etcd itself expires may change membership
+    etcd.start()
+    assert agent.wait(timeout=90) == 0, cluster.dump()
+    assert len(events(agent, "round_started")) == 1
+    assert not events(agent, "node_lost")
+    assert "workers keep running" in agent.text()

@@ -1,0 +1,25 @@
+"""An unmodified torchrun script: init from the environment, one all_reduce, then record what it was given."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+NAMES = [
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS",
+    "ELASTIC_ROUND",
+]  # fmt: skip
+
+dist.init_process_group()
+total = torch.ones(1)
+dist.all_reduce(total)
+record = {name: os.environ.get(name) for name in NAMES}
+record["all_reduce"] = total.item()
+record["pid"] = os.getpid()
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as out:
+    json.dump(record, out)
+dist.destroy_process_group()
