@@ -50,8 +50,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     steps: int = Field(300, gt=0, description="total optimizer steps; the LR schedule spans them")
-    global_batch: int = Field(16, gt=0, description="sequences per step over all ranks, whatever the world size")
-    micro_batch: int | None = Field(8, gt=0, description="most sequences per forward pass; more become gradient accumulation")
+    global_batch: int = Field(32, gt=0, description="sequences per step over all ranks, whatever the world size")
+    micro_batch: int | None = Field(16, gt=0, description="most sequences per forward pass; more become gradient accumulation")
     lr: float = Field(3e-3, gt=0, description="peak learning rate of AdamW")
     warmup_steps: int | None = Field(None, ge=0, description="linear warm-up before the cosine decay (default: a tenth of --steps)")
     seed: int = Field(0, ge=0, description="seed of the model init, the data order and per-sample dropout")
