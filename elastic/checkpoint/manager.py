@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -27,6 +27,7 @@ from elastic.checkpoint.integrity import verify_readable
 from elastic.checkpoint.layout import CheckpointEntry, CheckpointError, read_commit_record, scan, step_dir, write_commit_record
 from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
+from elastic.checkpoint.writer import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class CheckpointManager:
         if not self._ranks.agree(lambda: _prepare_folder(folder), f"preparing {folder}", only_rank0=True):
             logger.warning("%s is already committed; not saving step %d again", folder, step)
             return
-        writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        writer = CheckpointWriter(folder)
         planner = DefaultSavePlanner(enable_plan_caching=True)
         if not in_background:
             dcp.save(

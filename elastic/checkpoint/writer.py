@@ -1,0 +1,27 @@
+"""The DCP storage writer for our checkpoints: one fsynced file per rank, without zip CRCs."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch.utils.serialization as serialization
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+
+
+class CheckpointWriter(FileSystemWriter):
+    """FileSystemWriter that skips the CRC32 torch.save computes over every tensor record.
+
+    torch.load never verifies that CRC, and computing it costs about as much CPU as the write
+    itself, which on a busy host halves save throughput. The files stay plain DCP.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        # With thread_count=1 the whole write happens inside this call, on this thread.
+        with serialization.config.patch({"save.compute_crc32": False}):
+            return super().write_data(plan, planner)
