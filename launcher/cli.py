@@ -131,11 +131,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if script and not args.module and not args.no_python and not Path(script).is_file():
         raise ConfigError(f"training script {script!r} not found (run from the directory that holds it, or fix the path)")
     rdzv_id = args.rdzv_id or (uuid.uuid4().hex[:12] if args.standalone else "none")
-    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix=f"elastic_{rdzv_id}_"))
     fields = dict(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=rdzv_id, rdzv=rdzv, standalone=args.standalone, max_restarts=args.max_restarts,
-        monitor_interval=args.monitor_interval, worker_stop_timeout=args.worker_stop_timeout, log_dir=log_dir,
+        monitor_interval=args.monitor_interval, worker_stop_timeout=args.worker_stop_timeout, log_dir=args.log_dir,
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, local_addr=args.local_addr, role=args.role,
         signals_to_handle=signals, entrypoint=script, args=args.training_script_args, module=args.module,
         no_python=args.no_python,
@@ -179,6 +178,8 @@ def run(config: LaunchConfig) -> int:
         except etcd_client.EtcdUnreachable as exc:
             print(f"elastic-run: error: {exc}", file=sys.stderr)
             return 1
+        if config.log_dir is None:  # like torchrun: a fresh temp dir, created only once the job can start
+            config = config.model_copy(update={"log_dir": Path(tempfile.mkdtemp(prefix=f"elastic_{config.rdzv_id}_"))})
         config.log_dir.mkdir(parents=True, exist_ok=True)
         logger.info("job %s on etcd %s: nodes %d:%d, %d worker(s) here, logs in %s", config.rdzv_id,
                     config.rdzv_endpoint, config.min_nodes, config.max_nodes, config.nproc_per_node,

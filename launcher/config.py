@@ -62,10 +62,12 @@ def parse_nnodes(spec: str) -> tuple[int, int]:
     """`N` or `MIN:MAX` -> (min, max)."""
     parts = spec.split(":")
     if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"bad --nnodes {spec!r}: expected N or MIN:MAX, e.g. 2 or 1:4")
+        raise ValueError(f"--nnodes {spec}: expected N or MIN:MAX, e.g. 2 or 1:4")
     low, high = int(parts[0]), int(parts[-1])
-    if low < 1 or low > high:
-        raise ValueError(f"bad --nnodes {spec!r}: need 1 <= MIN <= MAX")
+    if low < 1:
+        raise ValueError(f"--nnodes {spec}: need at least 1 node")
+    if low > high:
+        raise ValueError(f"--nnodes {spec}: MIN exceeds MAX; did you mean --nnodes {high}:{low}?")
     return low, high
 
 
@@ -122,7 +124,7 @@ class LaunchConfig(BaseModel):
     max_restarts: int = Field(0, ge=0)
     monitor_interval: float = Field(0.1, gt=0)
     worker_stop_timeout: float = Field(5.0, ge=0, description="grace between SIGTERM and SIGKILL of workers")
-    log_dir: Path
+    log_dir: Path | None = None  # None: elastic-run makes a temp dir once the job can start
     redirects: Std | dict[int, Std] = Std.NONE
     tee: Std | dict[int, Std] = Std.NONE
     local_ranks_filter: set[int] | None = None
@@ -146,6 +148,15 @@ class LaunchConfig(BaseModel):
         if self.module and self.no_python:
             raise ValueError("-m/--module and --no-python exclude each other")
         return self
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint_parses(cls, value: str) -> str:
+        if value:
+            from launcher.etcd_client import parse_endpoints
+
+            parse_endpoints(value)
+        return value
 
     @field_validator("entrypoint")
     @classmethod
