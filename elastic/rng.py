@@ -38,6 +38,17 @@ def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
     return generator
 
 
+def seed_all(seed: int) -> None:
+    """Seed python, numpy and torch global RNGs.
+
+    A trainer calls it with `derive_seed(seed, step)` at the start of every step: global RNG state
+    then never needs a checkpoint, since a resumed run re-creates it at any world size.
+    """
+    random.seed(seed)
+    np.random.seed(seed % _NUMPY_SEED_MODULUS)
+    torch.manual_seed(seed)
+
+
 @contextmanager
 def seeded_rng(seed: int) -> Iterator[None]:
     """Seed python, numpy and torch global RNGs; restore their previous states on exit.
@@ -49,9 +60,7 @@ def seeded_rng(seed: int) -> Iterator[None]:
     python_state = random.getstate()
     numpy_state = np.random.get_state()
     torch_state = torch.random.get_rng_state()
-    random.seed(seed)
-    np.random.seed(seed % _NUMPY_SEED_MODULUS)
-    torch.manual_seed(seed)
+    seed_all(seed)
     try:
         yield
     finally:

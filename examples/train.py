@@ -23,6 +23,7 @@ import sys
 import time
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from elastic.checkpoint import CheckpointManager, ModelState
-from elastic.rng import per_sample_dropout, sample_generator
+from elastic.rng import derive_seed, per_sample_dropout, sample_generator, seed_all
 from elastic.sampling import ElasticSampler, MicroBatch, SamplingConfig
 from elastic.schedule import GlobalStepLR, WarmupCosineConfig, warmup_cosine
 
@@ -70,12 +71,17 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
+        problems = []
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
+            problems.append(f"--d-model ({self.d_model}) must be a multiple of --n-head ({self.n_head})")
         if self.stop_at is not None and self.ckpt_dir is None:
-            raise ValueError("--stop-at needs --ckpt-dir: a later run resumes from the checkpoint of that step")
+            problems.append("--stop-at needs --ckpt-dir: a later run resumes from the checkpoint of that step")
+        if self.stop_at is not None and self.stop_at > self.steps:
+            problems.append(f"--stop-at ({self.stop_at}) is past the last step (--steps {self.steps})")
         if self.warmup_steps is not None and self.warmup_steps > self.steps:
-            raise ValueError(f"--warmup-steps ({self.warmup_steps}) exceeds --steps ({self.steps})")
+            problems.append(f"--warmup-steps ({self.warmup_steps}) exceeds --steps ({self.steps})")
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
@@ -88,7 +94,13 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     try:
         return TrainConfig(**vars(parser.parse_args(argv)))
     except ValidationError as error:
-        parser.error(str(error))
+        parser.error("; ".join(_flag_error(detail) for detail in error.errors()))
+
+
+def _flag_error(detail: dict) -> str:
+    flag = "--" + str(detail["loc"][0]).replace("_", "-") if detail["loc"] else None
+    message = detail["msg"].removeprefix("Value error, ")
+    return f"{flag}: {message}" if flag else message
 
 
 def _flag_type(annotation: object) -> type:
@@ -201,7 +213,7 @@ def shard(model: GPT) -> None:
 
 
 def train_step(
-    model: GPT, plan: list[MicroBatch], batches: typing.Iterator, seed: int, step: int
+    model: GPT, plan: list[MicroBatch], batches: Iterator[tuple[torch.Tensor, torch.Tensor]], seed: int, step: int
 ) -> tuple[float, list[int]]:
     """Forward/backward every pass of this rank's share; returns the share's summed loss and its samples.
 
@@ -269,6 +281,7 @@ def main(config: TrainConfig) -> None:
     batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers))
     for step in range(start + 1, config.steps + 1):
         started = time.perf_counter()
+        seed_all(derive_seed(config.seed, step))  # global RNG state is a function of the step, never checkpointed
         lr = schedule.current_lrs()[0]
         loss_sum, samples = train_step(model, sampler.step_plan(), batches, config.seed, step)
         optimizer.step()

@@ -1,4 +1,4 @@
-"""Multi-process runs of examples/train.py that resize, fail and load foreign checkpoints.
+"""Runs of examples/train.py: resized, failed, loading foreign checkpoints, refusing bad flags.
 
 Each scenario is compared with one uninterrupted 2-rank run of the same configuration:
 same samples per step, same learning rate per step, losses equal up to float rounding.
@@ -220,3 +220,14 @@ def test_torchtitan_layout_loads_at_a_larger_world_size(fixed_run: tuple[dict, P
     history = committed_history(read_log(log))
     assert sorted(history) == [5, 6, 7, 8]
     assert_follows(reference, history, range(5, 9))
+
+
+@pytest.mark.timeout(60)
+def test_inconsistent_flags_fail_before_any_process_group_starts() -> None:
+    result = subprocess.run(
+        [sys.executable, str(TRAIN), "--steps", "10", "--stop-at", "12", "--ckpt-dir", "unused", "--d-model", "30"],
+        capture_output=True, text=True, timeout=50,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--stop-at (12) is past the last step (--steps 10)" in result.stderr
+    assert "--d-model (30) must be a multiple of --n-head (4)" in result.stderr
