@@ -1,0 +1,107 @@
+"""The launcher's pure pieces: parsing, rank assignment, root cause; and the log mirror on a real etcd."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher import etcd_client, membership_log
+from launcher.config import RendezvousSettings, Std, parse_nnodes, parse_rdzv_conf, parse_std_spec
+from launcher.controller import assign_ranks, failure_summary, root_cause
+from launcher.records import JobKeys, NodeRecord, RoundRecord, WorkerFailure
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def node(name: str, nproc: int = 2, joined_at: float = 0.0) -> NodeRecord:
+    return NodeRecord(node=name, addr="10.0.0.1", nproc=nproc, joined_at=joined_at, pid=1)
+
+
+@pytest.mark.parametrize("spec, expected", [("1", (1, 1)), ("3", (3, 3)), ("2:4", (2, 4)), ("1:1", (1, 1))])
+def test_nnodes_accepts_torchrun_forms(spec, expected):
+    assert parse_nnodes(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["0", "4:2", "a", "1:2:3", "", "-1"])
+def test_nnodes_rejects_nonsense(spec):
+    with pytest.raises(ValueError, match="--nnodes"):
+        parse_nnodes(spec)
+
+
+def test_rdzv_conf_parses_and_rejects_items_without_value():
+    assert parse_rdzv_conf("a=1, b = x,") == {"a": "1", "b": "x"}
+    with pytest.raises(ValueError, match="malformed"):
+        parse_rdzv_conf("a=1,b")
+
+
+def test_std_spec_global_and_per_rank():
+    assert parse_std_spec("3", "tee") is Std.ALL
+    assert parse_std_spec("0:1,1:2", "tee") == {0: Std.OUT, 1: Std.ERR}
+    with pytest.raises(ValueError, match="--tee"):
+        parse_std_spec("7", "tee")
+
+
+def test_lease_ttl_is_never_shorter_than_the_configured_expiry():
+    assert RendezvousSettings().lease_ttl == 3
+    assert RendezvousSettings(keep_alive_interval=0.5, keep_alive_max_attempt=3).lease_ttl == 2
+    assert RendezvousSettings(keep_alive_interval=0.1, keep_alive_max_attempt=1).lease_ttl == 1
+
+
+def test_assign_ranks_is_deterministic_and_cumulative():
+    nodes = {"b": node("b", 2, 1.0), "a": node("a", 3, 1.0), "c": node("c", 1, 0.5)}
+    members = assign_ranks(None, nodes, max_nodes=8)
+    assert [(m.node, m.group_rank, m.first_rank, m.last_rank) for m in members] == [
+        ("c", 0, 0, 0), ("a", 1, 1, 3), ("b", 2, 4, 5),
+    ]  # fmt: skip
+    assert assign_ranks(None, dict(reversed(list(nodes.items()))), 8) == members
+
+
+def test_survivors_keep_their_order_and_newcomers_fill_up_to_max():
+    first = RoundRecord(round=0, reason="initial", members=assign_ranks(None, {
+        "x": node("x", joined_at=2), "y": node("y", joined_at=1), "z": node("z", joined_at=3)}, 3))  # fmt: skip
+    assert [m.node for m in first.members] == ["y", "x", "z"]
+    alive = {"x": node("x", joined_at=2), "z": node("z", joined_at=3), "new1": node("new1", joined_at=0),
+             "new2": node("new2", joined_at=9)}  # fmt: skip
+    second = assign_ranks(first, alive, max_nodes=3)
+    assert [m.node for m in second] == ["x", "z", "new1"]  # new2 waits as a spare
+    assert [m.first_rank for m in second] == [0, 2, 4]
+
+
+def test_root_cause_is_the_earliest_failure():
+    late = WorkerFailure(node="b", round=0, local_rank=0, rank=2, exit_code=1, time=10.5)
+    first = WorkerFailure(node="a", round=0, local_rank=1, rank=1, exit_code=-9, time=10.1,
+                          traceback="Traceback ...\nRuntimeError: boom")  # fmt: skip
+    assert root_cause([late, first]) is first
+    summary = failure_summary("job", 3, first)
+    assert "root cause node a, rank 1 (local_rank 1), killed by signal 9" in summary
+    assert summary.endswith("RuntimeError: boom")
+
+
+def test_endpoints_parse_lists_and_default_port():
+    assert etcd_client.parse_endpoints("h1:1,h2, http://h3:3") == [("h1", 1), ("h2", 2379), ("h3", 3)]
+    with pytest.raises(ValueError, match="bad etcd endpoint"):
+        etcd_client.parse_endpoints("h:99999")
+
+
+def test_agents_sharing_a_log_dir_write_each_event_once(etcd, tmp_path):
+    client = etcd_client.connect(etcd.endpoint)
+    keys = JobKeys("mirror")
+    try:
+        mirrors = [membership_log.LogMirror(tmp_path), membership_log.LogMirror(tmp_path)]
+        membership_log.append(client, keys, membership_log.new_event("node_joined", node="a"), "a")
+        mirrors[0].sync(client, keys)
+        membership_log.append(client, keys, membership_log.new_event("node_joined", node="b"), "b")
+        # one transaction, one revision: both events land together, in key order
+        client.transaction(compare=[], success=[
+            membership_log.event_put(client, keys, membership_log.new_event("round_started", round=0), "a"),
+            membership_log.event_put(client, keys, membership_log.new_event("restart", round=0), "a"),
+        ], failure=[])  # fmt: skip
+        for mirror in reversed(mirrors):
+            mirror.sync(client, keys)
+        mirrors[0].sync(client, keys)
+        lines = [json.loads(line) for line in (tmp_path / "membership.jsonl").read_text().splitlines()]
+        assert [e["event"] for e in lines] == ["node_joined", "node_joined", "round_started", "restart"]
+        assert [e["event"] for e in lines] == [e.event for e in membership_log.read_events(client, keys)]
+    finally:
+        client.close()
