@@ -273,17 +273,18 @@ def main(config: TrainConfig) -> None:
         return
     if rank == 0:
         logger.info(
-            "round %d: %d ranks, %d sequences of %d characters, global batch %d, %d passes per step, from step %d",
+            "round %d: %d ranks, %d sequences of %d characters, global batch %d, forward passes per step: %d, from step %d",
             round_number, world_size, len(dataset), config.seq_len, config.global_batch,
             len(sampler.step_plan()), start,
         )
 
+    seed = sampler.config.seed  # a resumed run keeps the checkpointed seed, whatever --seed says
     batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers))
     for step in range(start + 1, config.steps + 1):
         started = time.perf_counter()
-        seed_all(derive_seed(config.seed, step))  # global RNG state is a function of the step, never checkpointed
+        seed_all(derive_seed(seed, step))  # global RNG state is a function of the step, never checkpointed
         lr = schedule.current_lrs()[0]
-        loss_sum, samples = train_step(model, sampler.step_plan(), batches, config.seed, step)
+        loss_sum, samples = train_step(model, sampler.step_plan(), batches, seed, step)
         optimizer.step()
         optimizer.zero_grad()
         schedule.advance()

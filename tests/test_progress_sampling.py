@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from pydantic import ValidationError
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader, Dataset
 
 from elastic.sampling import (
@@ -138,6 +139,7 @@ def test_state_is_global_and_restores_the_same_next_batch() -> None:
     for sampler in ranks:
         for _ in range(7):
             sampler.complete_step()
+    assert isinstance(ranks[0], Stateful)  # what the checkpoint manager checks
     states = [sampler.state_dict() for sampler in ranks]
     assert states[0] == states[1] == {"seed": 5, "epoch": 1, "samples_consumed": 42}
 

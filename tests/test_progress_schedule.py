@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR, StepLR
 
 from elastic.schedule import GlobalStepLR, SchedulerFactory, WarmupCosineConfig, warmup_cosine, warmup_cosine_factor
@@ -63,7 +64,7 @@ def test_reload_gives_bitwise_the_uninterrupted_lr(name: str, resume_at: int) ->
     before = GlobalStepLR(fresh_optimizer(), FACTORIES[name])
     before.set_step(resume_at)
     state = before.state_dict()
-    assert state == {"global_step": resume_at}
+    assert isinstance(before, Stateful) and state == {"global_step": resume_at}
 
     # A new process: fresh optimizer whose param groups carry another run's LRs,
     # as they do after the optimizer state is loaded from the checkpoint.
