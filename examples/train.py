@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
@@ -244,6 +245,7 @@ def append_sample_log(path: Path, record: dict) -> None:
         os.close(fd)
 
 
+@record  # an uncaught exception lands in TORCHELASTIC_ERROR_FILE: the launcher's failure summary shows it
 def main(config: TrainConfig) -> None:
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 # Runs in the child between fork and exec: ask the kernel to SIGKILL us when the parent dies (even by SIGKILL),
 # then become the real program. Doing it in a tiny exec'd shim avoids preexec_fn, which is unsafe with threads.
@@ -55,3 +56,16 @@ def stop_group(processes: list[subprocess.Popen], grace_s: float, first_signal: 
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:  # pragma: no cover - a process in uninterruptible sleep
             pass
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc): how a caller finds the workers of an agent it started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            found.append(int(stat.parent.name))
+    return found

@@ -144,15 +144,3 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
 
-
-def children(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found

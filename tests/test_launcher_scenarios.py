@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from launcher_harness import REPO, children, elastic_run_command, events, pid_alive
+from launcher.process_tree import child_pids as children
+from launcher_harness import REPO, elastic_run_command, events, pid_alive
 
 pytestmark = pytest.mark.slow
 

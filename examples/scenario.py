@@ -1,0 +1,135 @@
+"""The user stories, run for real on this machine: several elastic-run "nodes" share one host and one etcd.
+
+    python examples/scenario.py kill-node   # 3 nodes x 2 workers; SIGKILL one; the other two carry on at 4
+    python examples/scenario.py hang-node   # same, but the node is SIGSTOPped (a hung host)
+    python examples/scenario.py grow        # 2 nodes x 4 workers = 8; two more nodes join: 16 workers
+
+Each runs examples/train.py with a shared checkpoint directory, prints the trainer's progress as it comes,
+then the job's membership log (`elastic-run log`) and what the sample log says about the resize: the
+step each world size resumed from and whether every step's samples were used exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from launcher.etcd_server import EtcdServer  # noqa: E402
+from launcher.process_tree import child_pids  # noqa: E402
+
+RDZV_CONF = "last_call_timeout=3"
+GLOBAL_BATCH = 48
+
+
+def start_node(endpoint: str, node: str, nnodes: str, nproc: int, work: Path, train_args: list[str]) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "launcher.cli", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+        "--rdzv-endpoint", endpoint, "--rdzv-id", "scenario", "--rdzv-conf", RDZV_CONF, "--node-id", node,
+        "--log-dir", str(work / "logs" / node), "--tee", "1", "--local-ranks-filter", "0",
+        str(REPO / "examples" / "train.py"), *train_args,
+    ]  # fmt: skip
+    print(f"$ elastic-run --node-id {node} ... ({nproc} workers)", flush=True)
+    return subprocess.Popen(command, cwd=REPO, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stderr=open(work / f"{node}.err", "w"))  # fmt: skip
+
+
+def steps_done(sample_log: Path) -> list[dict]:
+    if not sample_log.is_file():
+        return []
+    return [json.loads(line) for line in sample_log.read_text().splitlines() if line.strip()]
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"scenario: timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def report(endpoint: str, sample_log: Path, global_batch: int) -> None:
+    print("\n== membership log (elastic-run log) ==", flush=True)
+    subprocess.run([sys.executable, "-m", "launcher.cli", "log", "--rdzv-endpoint", endpoint, "--rdzv-id", "scenario"],
+                   cwd=REPO, check=False)  # fmt: skip
+    print("\n== training, from the sample log ==")
+    latest: dict[int, tuple[int, list[int]]] = {}  # step -> (round, samples): a redone step counts once
+    for record in steps_done(sample_log):
+        round_, samples = latest.get(record["step"], (-1, []))
+        if record["round"] > round_:
+            latest[record["step"]] = (record["round"], list(record["samples"]))
+        elif record["round"] == round_:
+            samples.extend(record["samples"])
+    worlds: dict[int, list[int]] = {}
+    for record in steps_done(sample_log):
+        if latest[record["step"]][0] == record["round"]:
+            worlds.setdefault(record["world_size"], []).append(record["step"])
+    for world, steps in worlds.items():
+        print(f"world size {world:3d}: steps {min(steps)}..{max(steps)}")
+    used = [i for _, samples in latest.values() for i in samples]
+    print(f"{len(latest)} steps: {len(used)} samples used, {len(set(used))} distinct, "
+          f"{len(latest) * global_batch} expected")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    work = Path(args.workdir or tempfile.mkdtemp(prefix=f"elastic-{args.scenario}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    sample_log = work / "samples.jsonl"
+    train_args = ["--steps", str(args.steps), "--ckpt-dir", str(work / "ckpt"), "--ckpt-every", "10",
+                  "--sample-log", str(sample_log), "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "16"]  # fmt: skip
+    nodes: list[subprocess.Popen] = []
+    with EtcdServer() as etcd:
+        try:
+            if args.scenario == "grow":
+                nodes += [start_node(etcd.endpoint, f"node{i}", "2:4", 4, work, train_args) for i in range(2)]
+                wait_until(lambda: any(r["world_size"] == 8 and r["step"] >= 15 for r in steps_done(sample_log)), 600, "8 workers to train")
+                print("\n>>> two more nodes join the running job", flush=True)
+                nodes += [start_node(etcd.endpoint, f"node{i}", "2:4", 4, work, train_args) for i in range(2, 4)]
+                wait_until(lambda: any(r["world_size"] == 16 for r in steps_done(sample_log)), 600, "16 workers to train")
+            else:
+                nodes += [start_node(etcd.endpoint, f"node{i}", "2:3", 2, work, train_args) for i in range(3)]
+                wait_until(lambda: any(r["world_size"] == 6 and r["step"] >= 15 for r in steps_done(sample_log)), 600, "6 workers to train")
+                victim = nodes[2]
+                if args.scenario == "kill-node":
+                    print(f"\n>>> SIGKILL node2 (agent pid {victim.pid}; its workers die with it)", flush=True)
+                    os.kill(victim.pid, signal.SIGKILL)
+                else:
+                    print(f"\n>>> SIGSTOP node2 (agent pid {victim.pid}) and its workers: a hung host", flush=True)
+                    os.killpg(victim.pid, signal.SIGSTOP)
+                    for pid in child_pids(victim.pid):
+                        os.kill(pid, signal.SIGSTOP)
+            survivors = nodes[:2] if args.scenario != "grow" else nodes
+            codes = [node.wait(timeout=900) for node in survivors]
+            print(f"\nagents exited with {codes}")
+            report(etcd.endpoint, sample_log, GLOBAL_BATCH)
+            print(f"\nlogs, checkpoints and the sample log are in {work}")
+            return 0 if all(code == 0 for code in codes) else 1
+        finally:
+            for node in nodes:
+                for signum in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.killpg(node.pid, signum)
+                    except ProcessLookupError:
+                        pass
+                node.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenario", choices=["kill-node", "hang-node", "grow"])
+    parser.add_argument("--steps", type=int, default=60, help="training steps of the whole run")
+    parser.add_argument("--workdir", help="where logs and checkpoints go (default: a new temp dir)")
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
