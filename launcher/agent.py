@@ -139,6 +139,11 @@ class Agent:
                     self._step(snap, local)
                 except MembershipLost as lost:
                     self._rejoin(str(lost))
+                except Exception as exc:
+                    if not etcd_client.is_transient(exc):
+                        raise
+                    # every step is safe to repeat: a pending report or an unstarted round is retried next tick
+                    logger.debug("etcd call failed, retrying next tick: %s", exc)
                 self._sync_log()
             elif local is not None and local[0] != "running":
                 self._handle_local(local)  # stop failed workers' peers now; report once etcd answers
@@ -197,7 +202,8 @@ class Agent:
         self.workers = WorkerGroup(self.config, self.round, member, master)
         self.workers.start()
         self.phase = "running"
-        self.client.put(self.keys.ack(self.round.round, self.node_id), str(os.getpid()))
+        etcd_client.call_with_retry(self.client.put, self.keys.ack(self.round.round, self.node_id), str(os.getpid()),
+                                    deadline_s=self.config.rdzv.close_timeout / 2)  # fmt: skip
 
     def _handle_local(self, local: tuple[str, list[WorkerFailure]]) -> None:
         outcome, failures = local

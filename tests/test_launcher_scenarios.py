@@ -10,8 +10,9 @@ import time
 
 import pytest
 
+from launcher.etcd_server import free_port
 from launcher.process_tree import child_pids as children
-from launcher_harness import REPO, elastic_run_command, events, pid_alive
+from launcher_harness import REPO, Cluster, elastic_run_command, events, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -235,3 +236,14 @@ def test_agents_ride_out_an_etcd_restart(cluster, etcd):
     assert len(events(agent, "round_started")) == 1
     assert not events(agent, "node_lost")
     assert "workers keep running" in agent.text()
+
+
+def test_endpoint_list_fails_over_to_a_live_etcd_member(etcd, tmp_path):
+    dead = f"127.0.0.1:{free_port()}"
+    nodes = Cluster(f"{dead},{etcd.endpoint}", tmp_path)
+    try:
+        agent = nodes.start("solo", nodes.probe(5, 0.05), nproc=1)
+        assert agent.wait(timeout=90) == 0, nodes.dump()
+        assert events(agent, "job_finished")
+    finally:
+        nodes.close()
