@@ -247,3 +247,42 @@ def test_endpoint_list_fails_over_to_a_live_etcd_member(etcd, tmp_path):
         assert events(agent, "job_finished")
     finally:
         nodes.close()
+
+
+def test_too_few_nodes_for_join_timeout_fails_the_job(cluster):
+    agent = cluster.start("lonely", cluster.probe(5, 0.05), nnodes="2", nproc=1,
+                          rdzv_conf="keep_alive_interval=0.5,join_timeout=3")  # fmt: skip
+    assert agent.wait(timeout=60) == 1, cluster.dump()
+    failed = events(agent, "job_failed")
+    assert len(failed) == 1 and "1 of at least 2 node(s) joined within join_timeout=3s" in failed[0]["message"]
+    assert "rendezvous timed out" in agent.text()
+
+
+def test_redirects_and_tee_split_worker_output_like_torchrun(cluster):
+    agent = cluster.start("solo", cluster.probe(2, 0.01), nproc=2, extra=["--redirects", "3", "--tee", "0:2"])
+    assert agent.wait(timeout=60) == 0, cluster.dump()
+    attempt = agent.log_dir / "solo" / "attempt_0"
+    for local_rank in (0, 1):
+        assert f"rank {local_rank}/2 done" in (attempt / str(local_rank) / "stderr.log").read_text()
+    console = agent.text()
+    assert "[default0]:rank 0/2 done" in console  # rank 0's stderr is tee'd with torchrun's prefix
+    assert "rank 1/2 done" not in console  # rank 1's only goes to its file
+
+
+def test_log_follow_prints_events_as_they_arrive_and_stops_at_the_end(cluster):
+    follow = subprocess.Popen(
+        [*elastic_run_command(), "log", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", "job", "--json",
+         "--follow", "--interval", "0.2"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        agent = cluster.start("solo", cluster.probe(10, 0.1), nproc=1)
+        assert agent.wait(timeout=60) == 0, cluster.dump()
+        output, _ = follow.communicate(timeout=30)
+    finally:
+        if follow.poll() is None:
+            os.killpg(follow.pid, signal.SIGKILL)
+            follow.wait()
+    followed = [json.loads(line) for line in output.splitlines()]
+    assert [e["event"] for e in followed] == ["node_joined", "round_started", "job_finished"]
+    assert followed == agent.membership()
