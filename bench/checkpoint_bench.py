@@ -1,10 +1,12 @@
 """Checkpoint benchmark: training stall of async vs sync save, save throughput vs a raw write, reshard load time.
 
-    python bench/checkpoint_bench.py [--megabytes 200] [--directory /tmp]
+    python bench/checkpoint_bench.py [--megabytes 200] [--rounds 5] [--directory /tmp]
 
-Targets: async stall <= 10% of the sync save, save throughput >= 80% of a raw sequential write of the
-same bytes (with fsync, in the same directory, in the same run), load after resharding 4 -> 8 ranks
-<= 1.2x the load at the same world size. Not a test: figures depend on the machine and its load.
+Targets: async stall <= 10% of the sync save; save throughput >= 80% of a raw sequential write of the
+same bytes (with fsync, same directory, same run); load at 8 ranks of a checkpoint saved at 4 ranks
+<= 1.2x the load at 8 ranks of one saved at 8. Each measure is interleaved with the one it is compared
+to, round after round, and the medians are compared, because the host may be busy with other work.
+Not a test: the figures depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from torch.distributed.fsdp import fully_shard
 
 from elastic.checkpoint import CheckpointManager, ModelState
 
-REPEATS = 3
 HIDDEN = 4096
 
 
@@ -46,25 +47,7 @@ def state_bytes(model: torch.nn.Module) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
 
 
-def timed_saves(directory: Path, model: torch.nn.Module, async_save: bool) -> tuple[list[float], list[float]]:
-    """Per save: seconds training was blocked, and seconds until the checkpoint was committed."""
-    # keep > REPEATS: deleting the previous checkpoint is retention, not part of the save being measured
-    manager = CheckpointManager(directory, keep=REPEATS + 1, async_save=async_save, check_at_start=False)
-    state = {"model": ModelState(model)}
-    stalls, totals = [], []
-    for step in range(1, REPEATS + 1):
-        with torch.no_grad():
-            next(model.parameters()).add_(1.0)  # a training step between saves
-        started = time.perf_counter()
-        manager.save(step, state)
-        stalls.append(time.perf_counter() - started)
-        manager.wait()
-        totals.append(time.perf_counter() - started)
-    manager.close()
-    return stalls, totals
-
-
-def raw_write_seconds(directory: Path, model: torch.nn.Module) -> float:
+def raw_write(directory: Path, model: torch.nn.Module) -> float:
     """Sequential write of the same bytes to one file with fsync, as dd conv=fsync would do."""
     path = directory / "raw.bin"
     started = time.perf_counter()
@@ -78,44 +61,82 @@ def raw_write_seconds(directory: Path, model: torch.nn.Module) -> float:
     return elapsed
 
 
+def timed_save(manager: CheckpointManager, step: int, state: dict) -> tuple[float, float]:
+    """Seconds training was blocked by ``save``, and seconds until the checkpoint was committed."""
+    started = time.perf_counter()
+    manager.save(step, state)
+    stall = time.perf_counter() - started
+    manager.wait()
+    return stall, time.perf_counter() - started
+
+
+def single_process_rounds(directory: Path, model: torch.nn.Module, rounds: int) -> dict[str, list[float]]:
+    # keep > rounds: deleting an old checkpoint is retention, not part of the save being measured
+    managers = {
+        mode: CheckpointManager(directory / mode, keep=rounds + 1, async_save=mode == "async", check_at_start=False)
+        for mode in ("sync", "async")
+    }
+    state = {"model": ModelState(model)}
+    times: dict[str, list[float]] = {"raw": [], "sync": [], "async stall": [], "async total": []}
+    for step in range(1, rounds + 1):
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # a training step between saves
+        times["raw"].append(raw_write(directory, model))
+        times["sync"].append(timed_save(managers["sync"], step, state)[1])
+        stall, total = timed_save(managers["async"], step, state)
+        times["async stall"].append(stall)
+        times["async total"].append(total)
+    for manager in managers.values():
+        manager.close()
+    return times
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def _rank(rank: int, world_size: int, port: int, megabytes: int, directory: str, action: str, report: str) -> None:
+def _timed_on_all_ranks(action) -> float:
+    dist.barrier()
+    started = time.perf_counter()
+    action()
+    dist.barrier()
+    return time.perf_counter() - started
+
+
+def _rank(rank: int, world_size: int, port: int, megabytes: int, work: str, rounds: int) -> None:
+    """Save at ``world_size``; at 8 ranks, then load the 8-rank and the 4-rank checkpoint in turn."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     torch.manual_seed(0)
     model = make_model(megabytes)
     fully_shard(model)
     state = {"model": ModelState(model)}
-    manager = CheckpointManager(directory, async_save=False, check_at_start=False)
-    dist.barrier()
-    started = time.perf_counter()
-    if action == "save":
-        manager.save(1, state)
-    else:
-        manager.load_latest(state)
-    dist.barrier()
-    elapsed = time.perf_counter() - started
-    manager.close()
-    if rank == 0:
-        Path(report).write_text(json.dumps({"seconds": elapsed}))
+    save_manager = CheckpointManager(Path(work) / f"saved-at-{world_size}", async_save=False, check_at_start=False)
+    save_manager.save(1, state)
+    save_manager.close()
+    if world_size == 8:
+        loads: dict[str, list[float]] = {"same": [], "reshard": []}
+        for _ in range(rounds):
+            for kind, saved_at in (("same", 8), ("reshard", 4)):
+                manager = CheckpointManager(Path(work) / f"saved-at-{saved_at}", check_at_start=False)
+                loads[kind].append(_timed_on_all_ranks(lambda: manager.load_latest(state)))
+                manager.close()
+        if rank == 0:
+            (Path(work) / "loads.json").write_text(json.dumps(loads))
     dist.destroy_process_group()
 
 
-def on_ranks(world_size: int, megabytes: int, directory: Path, action: str) -> float:
-    report = directory / f"{action}-{world_size}.json"
-    args = (world_size, _free_port(), megabytes, str(directory), action, str(report))
+def on_ranks(world_size: int, megabytes: int, work: Path, rounds: int) -> None:
+    args = (world_size, _free_port(), megabytes, str(work), rounds)
     mp.start_processes(_rank, args=args, nprocs=world_size, start_method="spawn")
-    return json.loads(report.read_text())["seconds"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--megabytes", type=int, default=200, help="model state size in MiB (default 200)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved repetitions (default 5)")
     parser.add_argument("--directory", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -124,39 +145,38 @@ def main() -> None:
     try:
         model = make_model(args.megabytes)
         size = state_bytes(model)
-        sync_stalls, sync_totals = timed_saves(work / "sync", model, async_save=False)
-        async_stalls, async_totals = timed_saves(work / "async", model, async_save=True)
-        raw = statistics.median(raw_write_seconds(work, model) for _ in range(REPEATS))
+        times = single_process_rounds(work, model, args.rounds)
         del model
-        on_ranks(4, args.megabytes, work / "sharded", "save")
-        same_size_load = on_ranks(4, args.megabytes, work / "sharded", "load")
-        reshard_load = on_ranks(8, args.megabytes, work / "sharded", "load")
+        on_ranks(4, args.megabytes, work, args.rounds)
+        on_ranks(8, args.megabytes, work, args.rounds)
+        times.update(json.loads((work / "loads.json").read_text()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    sync_save, steady_stall = statistics.median(sync_totals), statistics.median(async_stalls[1:])
+    median = {name: statistics.median(values) for name, values in times.items()}
     mib = size / 2**20
-    print(f"\nmodel state {mib:.0f} MiB, median of {REPEATS} saves, directory {args.directory}\n")
-    print(f"{'measure':<44}{'seconds':>9}{'MiB/s':>9}")
+    print(f"\nmodel state {mib:.0f} MiB; medians of {args.rounds} interleaved rounds; directory {args.directory}\n")
+    print(f"{'measure':<46}{'median s':>9}{'MiB/s':>8}   all rounds (s)")
     rows = [
-        ("sync save (stall = save + commit)", sync_save),
-        ("async save stall, first (allocates staging)", async_stalls[0]),
-        ("async save stall, steady", steady_stall),
-        ("async save until committed", statistics.median(async_totals)),
-        ("raw sequential write + fsync", raw),
-        ("load at 4 ranks of a 4-rank checkpoint", same_size_load),
-        ("load at 8 ranks of a 4-rank checkpoint", reshard_load),
+        ("raw sequential write + fsync", "raw"),
+        ("sync save until committed (= its stall)", "sync"),
+        ("async save: training stall", "async stall"),
+        ("async save: until committed", "async total"),
+        ("load at 8 ranks, saved at 8", "same"),
+        ("load at 8 ranks, saved at 4 (reshard)", "reshard"),
     ]
-    for name, seconds in rows:
-        print(f"{name:<44}{seconds:>9.3f}{mib / seconds:>9.0f}")
+    for label, name in rows:
+        rounds = " ".join(f"{value:.3f}" for value in times[name])
+        print(f"{label:<46}{median[name]:>9.3f}{mib / median[name]:>8.0f}   {rounds}")
     print()
     checks = [
-        ("async stall / sync save", steady_stall / sync_save, "<= 0.10", steady_stall / sync_save <= 0.10),
-        ("save throughput / raw write", raw / sync_save, ">= 0.80", raw / sync_save >= 0.80),
-        ("reshard load / same-size load", reshard_load / same_size_load, "<= 1.20", reshard_load / same_size_load <= 1.20),
+        ("async stall / sync save", median["async stall"] / median["sync"], "<=", 0.10),
+        ("save throughput / raw write", median["raw"] / median["sync"], ">=", 0.80),
+        ("reshard load / same-size load", median["reshard"] / median["same"], "<=", 1.20),
     ]
-    for name, ratio, target, met in checks:
-        print(f"{name:<32}{ratio:>7.2f}  target {target}  {'met' if met else 'MISSED'}")
+    for label, ratio, relation, target in checks:
+        met = ratio <= target if relation == "<=" else ratio >= target
+        print(f"{label:<32}{ratio:>7.2f}  target {relation} {target:.2f}  {'met' if met else 'MISSED'}")
 
 
 if __name__ == "__main__":

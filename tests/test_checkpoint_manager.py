@@ -238,3 +238,17 @@ def test_full_disk_fails_at_step_zero_naming_directory_and_cause(tmp_path: Path,
     assert f"checkpoint directory {tmp_path / 'full'} failed the step-0 check" in message
     assert "No space left on device" in message and "\n" not in message
     assert committed_steps(tmp_path / "full") == []
+
+
+def test_model_without_optimizer_round_trips(tmp_path: Path) -> None:
+    # Only tensors: every read takes the reader's byte-range path, none DCP's.
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(4, 3)
+    manager = CheckpointManager(tmp_path, async_save=False, check_at_start=False)
+    manager.save(1, {"model": ModelState(saved)})
+    manager.close()
+    loaded = torch.nn.Linear(4, 3)
+    manager = CheckpointManager(tmp_path, check_at_start=False)
+    assert manager.load_latest({"model": ModelState(loaded)}) == 1
+    manager.close()
+    assert torch.equal(loaded.weight, saved.weight) and torch.equal(loaded.bias, saved.bias)

@@ -25,6 +25,7 @@ from elastic.checkpoint.foreign_state import REGENERATE_METHOD, split_entries, s
 from elastic.checkpoint.global_values import PerRankStateError, reject_per_rank_values
 from elastic.checkpoint.integrity import verify_readable
 from elastic.checkpoint.layout import CheckpointEntry, CheckpointError, read_commit_record, scan, step_dir, write_commit_record
+from elastic.checkpoint.reader import CheckpointReader
 from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
 from elastic.checkpoint.writer import CheckpointWriter
@@ -230,7 +231,7 @@ class CheckpointManager:
         loadable = {name: value for name, value in state_dicts.items() if name not in to_regenerate}
         dcp.load(
             loadable,
-            storage_reader=FileSystemReader(entry.path),
+            storage_reader=CheckpointReader(entry.path),
             planner=DefaultLoadPlanner(),
             process_group=self._ranks.group,
             no_dist=self._single,

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch.utils.serialization as serialization
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 
 class CheckpointWriter(FileSystemWriter):
