@@ -340,6 +340,9 @@ def after_fault_note(job: Job, probe: ProbeLog, fault_time: float) -> str:
         code = job.agents[node].poll()
         if code is not None:
             parts.append(f"node{node} exited rc={code} ({last_exception(outputs[node])})")
+        else:  # no workers under a live agent: it is waiting in a rendezvous, not in a collective
+            workers = len(process_tree(job.agents[node].pid)) - 1
+            parts.append(f"node{node} agent alive with {workers} worker process(es)")
     if all(job.agent_output(n).stat().st_size == job.output_sizes_at_fault.get(n) for n in survivors):
         parts.append("survivors (agents and workers) printed nothing after the fault")
     return "; ".join(parts)
