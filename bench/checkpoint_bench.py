@@ -47,18 +47,15 @@ def state_bytes(model: torch.nn.Module) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
 
 
-def raw_write(directory: Path, model: torch.nn.Module) -> float:
-    """Sequential write of the same bytes to one file with fsync, as dd conv=fsync would do."""
-    path = directory / "raw.bin"
+def raw_write(path: Path, model: torch.nn.Module) -> float:
+    """Sequential write of the same bytes to one new file with fsync, as dd conv=fsync would do."""
     started = time.perf_counter()
     with open(path, "wb") as stream:
         for tensor in model.state_dict().values():
             stream.write(tensor.detach().contiguous().view(torch.uint8).numpy().data)
         stream.flush()
         os.fsync(stream.fileno())
-    elapsed = time.perf_counter() - started
-    path.unlink()
-    return elapsed
+    return time.perf_counter() - started
 
 
 def timed_save(manager: CheckpointManager, step: int, state: dict) -> tuple[float, float]:
@@ -71,7 +68,8 @@ def timed_save(manager: CheckpointManager, step: int, state: dict) -> tuple[floa
 
 
 def single_process_rounds(directory: Path, model: torch.nn.Module, rounds: int) -> dict[str, list[float]]:
-    # keep > rounds: deleting an old checkpoint is retention, not part of the save being measured
+    # Nothing is deleted until the end: retention is not part of a save, and on thin-provisioned disks
+    # writing into just-freed blocks is much faster than into new ones, which would skew the comparison.
     managers = {
         mode: CheckpointManager(directory / mode, keep=rounds + 1, async_save=mode == "async", check_at_start=False)
         for mode in ("sync", "async")
@@ -81,7 +79,7 @@ def single_process_rounds(directory: Path, model: torch.nn.Module, rounds: int) 
     for step in range(1, rounds + 1):
         with torch.no_grad():
             next(model.parameters()).add_(1.0)  # a training step between saves
-        times["raw"].append(raw_write(directory, model))
+        times["raw"].append(raw_write(directory / f"raw-{step}.bin", model))
         times["sync"].append(timed_save(managers["sync"], step, state)[1])
         stall, total = timed_save(managers["async"], step, state)
         times["async stall"].append(stall)
