@@ -106,6 +106,7 @@ def test_model_and_optimizer_reshard_exactly(saved_at, saved_world: int, loaded_
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoint_loads_with_plain_dcp_load(saved_at) -> None:
     directory, expected = saved_at(4)
     model = tiny_model(seed=7)

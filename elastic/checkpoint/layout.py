@@ -8,7 +8,6 @@ Anything else under ``step-<N>`` (a crash mid-save, garbage) is torn and never l
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from datetime import datetime, timezone
@@ -18,8 +17,6 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import elastic
-
-logger = logging.getLogger(__name__)
 
 COMMIT_FILE = "commit.json"
 DCP_METADATA_FILE = ".metadata"

@@ -149,7 +149,7 @@ class CheckpointManager:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         started = time.monotonic()
-        state_dict = {name: value.state_dict() if isinstance(value, Stateful) else value for name, value in state.items()}
+        state_dict = _state_dicts(state)
         reject_per_rank_values(state_dict, self._ranks)
         folder = step_dir(self.directory, step)
         if not self._ranks.agree(lambda: _prepare_folder(folder), f"preparing {folder}", only_rank0=True):
@@ -225,7 +225,7 @@ class CheckpointManager:
         return None
 
     def _load(self, entry: CheckpointEntry, state: dict[str, Any]) -> None:
-        state_dicts = {name: value.state_dict() if isinstance(value, Stateful) else value for name, value in state.items()}
+        state_dicts = _state_dicts(state)
         metadata = FileSystemReader(entry.path).read_metadata()
         to_regenerate = split_entries(state, state_dicts, metadata.state_dict_metadata, entry.path)
         loadable = {name: value for name, value in state_dicts.items() if name not in to_regenerate}
@@ -267,6 +267,11 @@ class CheckpointManager:
             "step-0 checkpoint check of %s passed in %.2fs (%d ranks wrote and read it back)",
             self.directory, time.monotonic() - started, self._ranks.world_size,
         )
+
+
+def _state_dicts(state: dict[str, Any]) -> dict[str, Any]:
+    """Each entry's state dict; entries that are not Stateful are plain state already."""
+    return {name: value.state_dict() if isinstance(value, Stateful) else value for name, value in state.items()}
 
 
 def _prepare_folder(folder: Path) -> bool:
