@@ -137,7 +137,7 @@ class RoundController:
         elif reports.failed:
             # A node dying takes its peers' collectives down with it; give its lease time to expire so that
             # a lost node is not counted as a worker failure against --max-restarts.
-            if unreported and self._since("failure") < cfg.rdzv.keep_alive_interval * cfg.rdzv.keep_alive_max_attempt:
+            if unreported and self._since("failure") < self._lease_expiry_bound():
                 return
             self._worker_failed(snap)
         elif not unreported:
@@ -145,6 +145,12 @@ class RoundController:
         else:
             self._check_acks(snap, members)
             self._check_scale_up(snap, members)
+
+    def _lease_expiry_bound(self) -> float:
+        """Longest a dead node's lease can outlive its death: the whole TTL (it may have just been refreshed),
+        plus etcd's lazy expiry checks and a loaded host's scheduling delays."""
+        ttl = self.config.rdzv.lease_ttl
+        return ttl + max(1.0, ttl / 2)
 
     def _membership_changed(self, snap: JobSnapshot, reason: str) -> None:
         cfg = self.config

@@ -69,6 +69,7 @@ class EtcdServer:
             "--initial-cluster", f"elastic={peer_url}",
             "--log-level", "error",
         ]  # fmt: skip
+        os.makedirs(self.data_dir, exist_ok=True)
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
         # The server dies with whoever started it, even on SIGKILL, so no test or agent leaks an etcd; its own
         # session keeps a terminal's Ctrl-C from stopping it before the agent has left the job.
