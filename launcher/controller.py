@@ -126,7 +126,7 @@ class RoundController:
                                  f"within join_timeout={cfg.rdzv.join_timeout:g}s")  # fmt: skip
 
     def _watch_round(self, snap: JobSnapshot) -> None:
-        round_, reports, cfg = snap.round, snap.current(), self.config
+        round_, reports = snap.round, snap.current()
         members = [m.node for m in round_.members]
         missing = [n for n in members if n not in snap.nodes]
         unreported = [n for n in members if n not in reports.failed and n not in reports.done]

@@ -91,10 +91,10 @@ class EtcdServer:
                 try:
                     client.status()
                     return
-                except Exception:
+                except Exception as exc:
                     if time.monotonic() > deadline:
                         self.stop()
-                        raise RuntimeError(f"etcd at {self.endpoint} did not become ready within {timeout_s:.0f} s")
+                        raise RuntimeError(f"etcd at {self.endpoint} did not become ready within {timeout_s:.0f} s") from exc
                     time.sleep(0.1)
         finally:
             client.close()

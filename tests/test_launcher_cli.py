@@ -112,15 +112,19 @@ def test_log_command_errors_are_one_line(etcd, tmp_path):
     assert code == 1 and dead in lines[0]
 
 
-@pytest.mark.timeout(120)
-def test_standalone_runs_a_job_and_removes_its_etcd(tmp_path):
+def standalone_command(tmp_path, *probe_args: str) -> tuple[list[str], dict[str, str], object]:
+    """elastic-run --standalone on the probe, with a TMPDIR of its own so a test can see what it leaves there."""
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
-    result = subprocess.run(
-        [*elastic_run_command(), "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
-         str(PROBE), "--steps", "3", "--step-time", "0.01"],
-        capture_output=True, text=True, timeout=100, cwd=REPO, env={**worker_env(), "TMPDIR": str(private_tmp)},
-    )  # fmt: skip
+    command = [*elastic_run_command(), "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+               str(PROBE), *probe_args]  # fmt: skip
+    return command, {**worker_env(), "TMPDIR": str(private_tmp)}, private_tmp
+
+
+@pytest.mark.timeout(120)
+def test_standalone_runs_a_job_and_removes_its_etcd(tmp_path):
+    command, env, private_tmp = standalone_command(tmp_path, "--steps", "3", "--step-time", "0.01")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=REPO, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "standalone: private etcd at 127.0.0.1:" in result.stderr
     assert (tmp_path / "logs" / "membership.jsonl").read_text().count('"job_finished"') == 1
@@ -129,17 +133,14 @@ def test_standalone_runs_a_job_and_removes_its_etcd(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_standalone_ctrl_c_stops_workers_and_etcd(tmp_path):
-    private_tmp = tmp_path / "tmp"
-    private_tmp.mkdir()
-    process = subprocess.Popen(
-        [*elastic_run_command(), "--standalone", "--nproc-per-node", "1", "--log-dir", str(tmp_path / "logs"),
-         str(PROBE), "--steps", "100000", "--step-time", "0.1", "--log", str(tmp_path / "probe.jsonl")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
-        env={**worker_env(), "TMPDIR": str(private_tmp)},
-    )  # fmt: skip
+    probe_log = tmp_path / "probe.jsonl"
+    command, env, private_tmp = standalone_command(tmp_path, "--steps", "100000", "--step-time", "0.1",
+                                                   "--log", str(probe_log))  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+                               start_new_session=True, env=env)  # fmt: skip
     try:
         deadline = time.monotonic() + 90
-        while not (tmp_path / "probe.jsonl").exists():
+        while not probe_log.exists():
             assert time.monotonic() < deadline and process.poll() is None, "the job never trained"
             time.sleep(0.2)
         os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group

@@ -39,17 +39,22 @@ def job(etcd):
         failure = WorkerFailure(node=node, round=round_, local_rank=0, rank=0, exit_code=1, time=time.time())
         client.put(keys.failed(round_, node), NodeFailure(node=node, round=round_, failures=[failure]).dumps())
 
-    yield client, keys, join, controller, fail, leases
+    def two_node_round(max_restarts: int) -> RoundController:
+        """a and b joined; a's controller formed round 0."""
+        join("a")
+        join("b")
+        ctl = controller(max_restarts)
+        ctl.tick()
+        assert read_snapshot(client, keys).round.round == 0
+        return ctl
+
+    yield client, keys, two_node_round, fail, leases
     client.close()
 
 
 def test_peer_failures_while_a_member_is_silent_wait_for_its_lease(job):
-    client, keys, join, controller, fail, leases = job
-    join("a")
-    join("b")
-    ctl = controller(max_restarts=0)
-    ctl.tick()
-    assert read_snapshot(client, keys).round.round == 0
+    client, keys, two_node_round, fail, leases = job
+    ctl = two_node_round(max_restarts=0)
 
     fail("a", 0)  # b's death broke a's all_reduce; b itself never reports
     ctl.tick()
@@ -65,11 +70,8 @@ def test_peer_failures_while_a_member_is_silent_wait_for_its_lease(job):
 
 
 def test_a_failure_with_every_member_alive_counts_against_max_restarts(job):
-    client, keys, join, controller, fail, leases = job
-    join("a")
-    join("b")
-    ctl = controller(max_restarts=1)
-    ctl.tick()
+    client, keys, two_node_round, fail, leases = job
+    ctl = two_node_round(max_restarts=1)
     fail("a", 0)
     deadline = time.monotonic() + ctl._lease_expiry_bound() + 2
     while read_snapshot(client, keys).round.round == 0:
