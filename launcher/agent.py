@@ -78,8 +78,7 @@ class Agent:
             return self._loop()
         finally:
             self._stop.set()
-            if self.workers is not None:
-                self.workers.stop()
+            self._stop_workers()
             self._sync_log(force=True)
 
     def _lease_id(self) -> int | None:
@@ -178,12 +177,16 @@ class Agent:
         if self.pending_report is not None:
             self._report()
 
+    def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
+        if self.workers is not None:
+            self.workers.stop(signum)
+            self.workers = None
+
     def _enter_round(self, round_: RoundRecord, revision: int) -> None:
         if self.workers is not None:
             logger.info("round %d (%s): stopping the workers of round %d", round_.round, round_.reason,
                         self.round.round)  # fmt: skip
-            self.workers.stop()
-            self.workers = None
+        self._stop_workers()
         self.round, self.round_revision, self.pending_report = round_, revision, None
         member = round_.member(self.node_id)
         self.phase = "starting" if member is not None else "waiting"
@@ -211,7 +214,7 @@ class Agent:
             for failure in failures:
                 logger.error("round %d: worker local_rank %d (rank %d) failed with exit code %d", failure.round,
                              failure.local_rank, failure.rank, failure.exit_code)  # fmt: skip
-            self.workers.stop()  # peers of a failed worker usually hang in their next collective
+            self._stop_workers()  # peers of a failed worker usually hang in their next collective
         self.pending_report = (outcome, failures)
         self.phase = "reported"
 
@@ -239,9 +242,7 @@ class Agent:
     # -- leaving -----------------------------------------------------------------------------------------
     def _rejoin(self, why: str) -> None:
         logger.warning("node %s lost its membership (%s): stopping workers and rejoining", self.node_id, why)
-        if self.workers is not None:
-            self.workers.stop()
-            self.workers = None
+        self._stop_workers()
         self.phase, self.round, self.pending_report = "waiting", None, None
         self.lease = None
         self._register()
@@ -249,9 +250,7 @@ class Agent:
     def _leave_on_signal(self, signum: int) -> int:
         name = signal.Signals(signum).name
         logger.warning("received %s: stopping workers and leaving job %s", name, self.config.rdzv_id)
-        if self.workers is not None:
-            self.workers.stop(signum)  # forwarded as-is, SIGKILL after the grace period
-            self.workers = None
+        self._stop_workers(signum)  # forwarded as-is, SIGKILL after the grace period
         tx = self.client.transactions
         event = membership_log.new_event("node_left", node=self.node_id, round=self.round.round if self.round else None,
                                          reason=f"agent received {name}")  # fmt: skip
@@ -271,16 +270,12 @@ class Agent:
         return 128 + signum
 
     def _job_over(self, snap: JobSnapshot) -> int:
-        status = snap.status
-        if self.workers is not None:
-            self.workers.stop()
-            self.workers = None
-        if status.state == "finished":
-            logger.info("%s", status.summary)
-            self._release_lease()
-            return 0
-        print(f"elastic-run: {status.summary}", file=sys.stderr, flush=True)
+        self._stop_workers()
         self._release_lease()
+        if snap.status.state == "finished":
+            logger.info("%s", snap.status.summary)
+            return 0
+        print(f"elastic-run: {snap.status.summary}", file=sys.stderr, flush=True)
         return 1
 
     def _release_lease(self) -> None:

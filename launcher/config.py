@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 from enum import IntEnum
 from pathlib import Path
 
@@ -169,8 +170,6 @@ class LaunchConfig(BaseModel):
         return spec.get(local_rank, Std.NONE) if isinstance(spec, dict) else spec
 
     def worker_command(self) -> list[str]:
-        import sys
-
         if self.no_python:
             return [self.entrypoint, *self.args]
         if self.module:

@@ -185,39 +185,32 @@ class RoundController:
             return
         # Alive but not starting the round (stuck tearing down, say): drop it, as if its lease had expired.
         tx = self.client.transactions
+        reason = f"did not start round {snap.round.round} within close_timeout={self.config.rdzv.close_timeout:g}s"
         for node in silent:
-            event = membership_log.new_event(
-                "node_lost", round=snap.round.round, node=node,
-                reason=f"did not start round {snap.round.round} within close_timeout={self.config.rdzv.close_timeout:g}s",
-            )  # fmt: skip
-            self.client.transaction(
-                compare=[tx.value(self.keys.controller) == self.node_id],
-                success=[
-                    tx.delete(self.keys.node(node)),
-                    tx.put(self.keys.lost(snap.round.round, node), "close_timeout"),
-                    membership_log.event_put(self.client, self.keys, event, self.node_id),
-                ],
-                failure=[],
-            )
+            self._mark_lost(snap.round.round, node, reason, extra=[tx.delete(self.keys.node(node))])
 
     # -- writes -----------------------------------------------------------------------------------------
     def _record_losses(self, snap: JobSnapshot, missing: list[str]) -> None:
         """One node_lost event per node whose lease expired (an agent that left said so itself)."""
-        tx = self.client.transactions
-        round_ = snap.round.round
         for node in missing:
-            if node in snap.left or node in snap.current().lost:
-                continue
-            event = membership_log.new_event("node_lost", round=round_, node=node, reason="lease expired")
-            self.client.transaction(
-                compare=[tx.value(self.keys.controller) == self.node_id, tx.version(self.keys.lost(round_, node)) == 0],
-                success=[
-                    tx.put(self.keys.lost(round_, node), "lease"),
-                    membership_log.event_put(self.client, self.keys, event, self.node_id),
-                ],
-                failure=[],
-            )
-            logger.warning("node %s lost (lease expired) in round %d", node, round_)
+            if node not in snap.left and node not in snap.current().lost:
+                self._mark_lost(snap.round.round, node, "lease expired")
+
+    def _mark_lost(self, round_: int, node: str, reason: str, extra: list = ()) -> None:
+        """Record `node` as lost in `round_`, once: its marker and its node_lost event in one transaction."""
+        tx = self.client.transactions
+        event = membership_log.new_event("node_lost", round=round_, node=node, reason=reason)
+        won, _ = self.client.transaction(
+            compare=[tx.value(self.keys.controller) == self.node_id, tx.version(self.keys.lost(round_, node)) == 0],
+            success=[
+                *extra,
+                tx.put(self.keys.lost(round_, node), reason),
+                membership_log.event_put(self.client, self.keys, event, self.node_id),
+            ],
+            failure=[],
+        )
+        if won:
+            logger.warning("node %s lost in round %d: %s", node, round_, reason)
 
     def _guard(self, snap: JobSnapshot) -> list:
         tx = self.client.transactions

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -155,10 +156,8 @@ class WorkerGroup:
             time=written or self._exited_at[local_rank], message=message, traceback=traceback,
         )  # fmt: skip
 
-    def stop(self, signum: int | None = None) -> None:
-        """Stop every worker and its descendants: `signum` (SIGTERM by default), then SIGKILL after the grace."""
-        import signal
-
-        stop_group(self.processes, self.config.worker_stop_timeout, signum or signal.SIGTERM)
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop every worker and its descendants: `signum`, then SIGKILL after the grace period."""
+        stop_group(self.processes, self.config.worker_stop_timeout, signum)
         for pump in self._pumps:
             pump.join(timeout=2)
