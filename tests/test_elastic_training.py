@@ -32,8 +32,10 @@ def committed_history(sample_log) -> dict[int, list[dict]]:
 def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path):
     samples = tmp_path / "samples.jsonl"
     steps, global_batch = 30, 6
+    # commits at steps 8, 16, 24: a kill at step 10 leaves uncommitted steps to redo unless 6 more steps run
+    # between seeing step 10 and the kill, which the 0.2 s poll does not allow
     args = ["--steps", str(steps), "--global-batch", str(global_batch), "--micro-batch", "2", "--ckpt-dir",
-            str(tmp_path / "ckpt"), "--ckpt-every", "4", "--sample-log", str(samples), *TINY]  # fmt: skip
+            str(tmp_path / "ckpt"), "--ckpt-every", "8", "--sample-log", str(samples), *TINY]  # fmt: skip
     agents = [cluster.start(n, args, nnodes="2:3", nproc=1, script=REPO / "examples" / "train.py") for n in "abc"]
     cluster.wait_for(lambda: samples.is_file() and '"step": 10,' in samples.read_text(), 120, "step 10 at 3 ranks")
     killed_at = time.time()
