@@ -1,27 +1,51 @@
-"""The per-node agent: joins the job in etcd under a lease, runs this node's workers for each round it belongs to."""
+"""The per-node agent: joins the job in etcd under a lease, runs this node's workers for each round it belongs to.
+
+Threads and what they own:
+- the main thread runs `Agent.run`: it owns the phase, the current `RoundRun` (and so the workers), and
+  every write an agent makes; it wakes on a change in the watched `state/ctl/` range, on a signal, and every
+  `--monitor-interval` to poll its workers (which costs etcd nothing);
+- a `LeaseKeeper` thread refreshes the lease; when etcd no longer has it, it wakes the main thread, which
+  rejoins as a newcomer;
+- the etcd client's watch thread applies changes to the `RangeMirror`;
+- while this agent holds the controller key, a `Controller` thread decides rounds (`launcher.controller`).
+Stopping: the main thread sets `_stop_controller` and stops the keeper; all other threads are daemons.
+"""
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
+import random
 import signal
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
-from launcher import etcd_client, membership_log
+from launcher import etcd_client
 from launcher.config import LaunchConfig
-from launcher.controller import RoundController
+from launcher.controller import Controller
 from launcher.etcd_server import free_port
-from launcher.job_state import JobSnapshot, read_snapshot
-from launcher.records import JobKeys, MasterRecord, NodeFailure, NodeRecord, RoundRecord, WorkerFailure
-from launcher.workers import WorkerGroup
+from launcher.job_view import JobView, ViewParser
+from launcher.lease_keeper import LeaseKeeper
+from launcher.membership_log import LogMirror
+from launcher.protocol import Holder, JobStore, NodeIdTaken
+from launcher.records import JobStatus, MasterRecord, Member, NodeFailure, NodeRecord, RoundRecord
+from launcher.watch import RangeMirror
+from launcher.workers import WorkerGroup, WorkerOutcome
 
 logger = logging.getLogger(__name__)
 
-_MIRROR_EVERY_S = 0.5
 _ETCD_WARN_AFTER_S = 2.0
+# Standby controllers wait a random part of this (per member of the round, capped) before claiming a free
+# controller key, so that thousands of agents do not all write at once when the controller dies.
+_CLAIM_SPREAD_PER_MEMBER_S = 0.001
+_CLAIM_SPREAD_MAX_S = 1.0
+
+WorkerGroupFactory = Callable[[LaunchConfig, RoundRecord, Member, MasterRecord], WorkerGroup]
 
 
 def address_facing(endpoint_host: str) -> str:
@@ -34,272 +58,291 @@ def address_facing(endpoint_host: str) -> str:
         return socket.getfqdn()
 
 
-class MembershipLost(Exception):
-    """Our lease expired, or the controller dropped us: the node must rejoin as a newcomer."""
+class Phase(enum.Enum):
+    """Where this agent is within the current round.
+
+    WAITING  -> STARTING  a round lists this incarnation of the node
+    STARTING -> RUNNING   the round's master address is known; workers started and acknowledged
+    RUNNING  -> REPORTED  the workers exited; success or failure is reported (retried until etcd takes it)
+    any      -> WAITING   a round forms without this node (a spare), or the lease ended and the node rejoined
+    any      -> STARTING  a newer round lists this node: the old round's workers are stopped first
+    The job's end and a signal leave the loop from any phase.
+    """
+
+    WAITING = "waiting"
+    STARTING = "starting"
+    RUNNING = "running"
+    REPORTED = "reported"
+
+
+@dataclass
+class RoundRun:
+    """Everything of one round on this node; a new round replaces it whole."""
+
+    record: RoundRecord
+    revision: int  # mod revision of the round record: the guard of every report about it
+    member: Member | None  # None: a spare in this round
+    phase: Phase
+    workers: WorkerGroup | None = None
+    acknowledged: bool = False  # the controller knows our workers started (retried until etcd takes it)
+    pending_report: NodeFailure | bool | None = None  # a failure, True for success, None for nothing to say
+    answered_rollcall: str | None = None
 
 
 class Agent:
-    def __init__(self, config: LaunchConfig, client) -> None:
+    def __init__(self, config: LaunchConfig, client, worker_group: WorkerGroupFactory = WorkerGroup) -> None:
         self.config = config
         self.client = client
-        self.keys = JobKeys(config.rdzv_id)
+        self.store = JobStore(client, config.rdzv_id)
         self.node_id = config.node_id
         host = etcd_client.parse_endpoints(config.rdzv_endpoint)[0][0]
         self.addr = config.local_addr or address_facing(host)
-        self.mirror = membership_log.LogMirror(config.log_dir)
+        self.worker_group = worker_group
+        self.log = LogMirror.for_dir(config.log_dir)
+        self.record: NodeRecord | None = None  # our registration: its lease is our incarnation
         self.lease = None
-        self.workers: WorkerGroup | None = None
-        self.round: RoundRecord | None = None  # the round this node last took part in (or waited through)
-        self.round_revision = 0  # etcd mod revision of that round's record
-        self.phase = "waiting"  # waiting -> starting -> running -> reported
-        self.pending_report: tuple[str, list[WorkerFailure]] | None = None
+        self.keeper: LeaseKeeper | None = None
+        self.run_: RoundRun | None = None
         self.signal_received: int | None = None
-        self._stop = threading.Event()
+        self.mirror: RangeMirror | None = None
+        self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
+        self._controller: threading.Thread | None = None
+        self._stop_controller = threading.Event()
+        self._claim_at: float | None = None
         self._etcd_down_since: float | None = None
         self._etcd_warned_at = 0.0
-        self._last_mirror = 0.0
 
-    # -- lifecycle ---------------------------------------------------------------------------------------
+    # -- lifecycle -------------------------------------------------------------------------------------------
     def run(self) -> int:
-        for signum in self.config.signals_to_handle:
-            signal.signal(signum, self._on_signal)
-        snap = etcd_client.call_with_retry(read_snapshot, self.client, self.keys, deadline_s=10)
-        if snap.status is not None:
-            return self._job_already_over(snap)
-        self._register()
-        threads = [
-            threading.Thread(target=self._keep_alive, name="lease-keepalive", daemon=True),
-            threading.Thread(target=RoundController(self.client, self.keys, self.config, self._lease_id).run,
-                             args=(self._stop,), name="round-controller", daemon=True),
-        ]  # fmt: skip
-        for thread in threads:
-            thread.start()
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.config.signals_to_handle:
+                signal.signal(signum, self._on_signal)
+        status = self.store.read_status()
+        if status is not None:
+            return self._job_already_over(status)
+        self.mirror = RangeMirror(self.client, self.store.keys.ctl).start()
         try:
+            self._join()
             return self._loop()
         finally:
-            self._stop.set()
+            self._stop_controller.set()
             self._stop_workers()
-            self._sync_log(force=True)
+            if self.keeper is not None:
+                self.keeper.stop()
+            self.mirror.close()
+            self._sync_log()
 
-    def _lease_id(self) -> int | None:
-        return self.lease.id if self.lease is not None else None
-
-    def _register(self) -> None:
-        lease = etcd_client.call_with_retry(self.client.lease, self.config.rdzv.lease_ttl)
-        record = NodeRecord(node=self.node_id, addr=self.addr, nproc=self.config.nproc_per_node, pid=os.getpid())
-        event = membership_log.new_event("node_joined", node=self.node_id, message=f"{self.addr}, {record.nproc} worker(s)")
-        tx = self.client.transactions
-        won, _ = etcd_client.call_with_retry(
-            self.client.transaction,
-            compare=[tx.version(self.keys.node(self.node_id)) == 0],
-            success=[
-                tx.put(self.keys.node(self.node_id), record.dumps(), lease=lease.id),
-                tx.delete(self.keys.left + self.node_id),
-                membership_log.event_put(self.client, self.keys, event, self.node_id),
-            ],
-            failure=[],
-        )
-        if not won:
-            lease.revoke()
-            raise SystemExit(f"error: node id {self.node_id!r} is already in job {self.config.rdzv_id}: "
-                             "pass a unique --node-id")  # fmt: skip
-        self.lease = lease
-        logger.info("node %s (%s) joined job %s, lease %ds", self.node_id, self.addr, self.config.rdzv_id, lease.ttl)
-
-    def _keep_alive(self) -> None:
-        interval = self.config.rdzv.keep_alive_interval
-        while not self._stop.wait(interval):
-            lease = self.lease
-            if lease is None:
-                continue
-            try:
-                responses = lease.refresh()
-                if responses and responses[0].TTL <= 0:
-                    logger.warning("lease of node %s expired", self.node_id)
-            except Exception as exc:
-                logger.debug("lease refresh failed, retrying: %s", exc)
-
-    def _on_signal(self, signum: int, frame) -> None:
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Ask the agent to leave the job as if it had received `signum` (what the signal handler does)."""
         if self.signal_received is None:
             self.signal_received = signum
-        self._stop.set()
+        if self.mirror is not None:
+            self.mirror.poke()
 
-    # -- the loop ----------------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame) -> None:
+        self.stop(signum)
+
+    def _join(self) -> None:
+        """Register a new incarnation of this node under a fresh lease, kept alive from now on."""
+        lease = self.store.grant_lease(self.config.rdzv.lease_ttl)
+        record = NodeRecord(node=self.node_id, addr=self.addr, nproc=self.config.nproc_per_node, lease=lease.id,
+                            pid=os.getpid())  # fmt: skip
+        try:
+            self.store.register(record)
+        except NodeIdTaken as exc:
+            self.store.revoke(lease.id)
+            raise SystemExit(f"error: {exc}") from None
+        self.lease, self.record = lease, record
+        self.keeper = LeaseKeeper(lease, self.config.rdzv.keep_alive_interval, self.mirror.poke).start()
+        logger.info("node %s (%s) joined job %s, lease %ds", self.node_id, self.addr, self.config.rdzv_id, lease.ttl)
+        self._claim_controller()
+
+    # -- the loop --------------------------------------------------------------------------------------------
     def _loop(self) -> int:
+        seen = -1
+        view = JobView()
         while True:
             if self.signal_received is not None:
-                return self._leave_on_signal(self.signal_received)
-            local = self.workers.poll() if self.workers is not None and self.phase == "running" else None
-            snap = self._read_snapshot()
-            if snap is not None:
-                if snap.status is not None:
-                    return self._job_over(snap)
-                try:
-                    self._step(snap, local)
-                except MembershipLost as lost:
-                    self._rejoin(str(lost))
-                except Exception as exc:
-                    if not etcd_client.is_transient(exc):
-                        raise
-                    # every step is safe to repeat: a pending report or an unstarted round is retried next tick
-                    logger.debug("etcd call failed, retrying next tick: %s", exc)
-                self._sync_log()
-            elif local is not None and local[0] != "running":
-                self._handle_local(local)  # stop failed workers' peers now; report once etcd answers
-            self._stop.wait(self.config.monitor_interval)
+                return self._leave(self.signal_received)
+            if self.keeper.lost:
+                self._rejoin("etcd no longer has our lease (it expired, or the controller evicted this node)")
+                continue
+            if self.mirror.version != seen:
+                entries, revision, seen = self.mirror.snapshot()
+                view = self._parser.parse(entries, revision)
+            self._note_etcd_health()
+            if view.status is not None:
+                return self._job_over(view.status)
+            try:
+                self._step(view)
+            except Exception as exc:
+                if not etcd_client.is_transient(exc):
+                    raise
+                # every step is safe to repeat: a pending report or an unstarted round is retried next time
+                logger.debug("etcd call failed, retrying: %s", exc)
+            self.mirror.wait(seen, self.config.monitor_interval)
 
-    def _read_snapshot(self) -> JobSnapshot | None:
-        try:
-            snap = read_snapshot(self.client, self.keys)
-        except Exception as exc:
-            if not etcd_client.is_transient(exc):
-                raise
-            now = time.monotonic()
-            self._etcd_down_since = self._etcd_down_since or now
-            if now - self._etcd_down_since >= _ETCD_WARN_AFTER_S and now - self._etcd_warned_at >= _ETCD_WARN_AFTER_S:
-                logger.warning("etcd %s unreachable for %.0fs; workers keep running", self.config.rdzv_endpoint,
-                               now - self._etcd_down_since)  # fmt: skip
-                self._etcd_warned_at = now
-            return None
-        self._etcd_down_since = None
-        return snap
+    def _step(self, view: JobView) -> None:
+        self._maybe_claim_controller(view)
+        if view.round is not None and (self.run_ is None or view.round.round != self.run_.record.round):
+            self._enter_round(view.round, view.round_revision)
+        run = self.run_
+        if run is None:
+            return
+        if run.phase is Phase.STARTING:
+            self._start_workers(run, view.masters.get(run.record.round))
+        elif run.phase is Phase.RUNNING:
+            self._poll_workers(run)
+        if run.workers is not None and not run.acknowledged:
+            self.store.acknowledge(run.record.round, run.revision, self.node_id, os.getpid())
+            run.acknowledged = True
+        if run.pending_report is not None:
+            self._report(run)
+        rollcall = view.rollcalls.get(run.record.round)
+        if rollcall is not None and run.member is not None and run.answered_rollcall != rollcall.nonce:
+            if self.store.answer_rollcall(run.record.round, run.revision, self.node_id, rollcall.nonce):
+                run.answered_rollcall = rollcall.nonce
 
-    def _step(self, snap: JobSnapshot, local: tuple[str, list[WorkerFailure]] | None) -> None:
-        if self.node_id not in snap.nodes:
-            raise MembershipLost("our lease expired or the controller dropped this node")
-        current = snap.round
-        if current is not None and (self.round is None or current.round != self.round.round):
-            self._enter_round(current, snap.round_mod_revision)
-        if self.phase == "starting":
-            self._start_workers(snap)
-        elif self.phase == "running" and local is not None and local[0] != "running":
-            self._handle_local(local)
-        if self.pending_report is not None:
-            self._report()
+    def _note_etcd_health(self) -> None:
+        now = time.monotonic()
+        if self.mirror.connected:
+            self._etcd_down_since = None
+            return
+        self._etcd_down_since = self._etcd_down_since or now
+        if now - self._etcd_down_since >= _ETCD_WARN_AFTER_S and now - self._etcd_warned_at >= _ETCD_WARN_AFTER_S:
+            logger.warning("etcd %s unreachable for %.0fs; workers keep running", self.config.rdzv_endpoint,
+                           now - self._etcd_down_since)  # fmt: skip
+            self._etcd_warned_at = now
 
-    def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
-        if self.workers is not None:
-            self.workers.stop(signum)
-            self.workers = None
+    # -- the controller key ----------------------------------------------------------------------------------
+    def _claim_controller(self) -> None:
+        if self._controller is not None and self._controller.is_alive():
+            return
+        holder = Holder(self.node_id, self.lease.id)
+        if not self.store.claim_controller(holder):
+            return
+        self._stop_controller = threading.Event()
+        controller = Controller(self.store, holder, self.config, self.log)
+        self._controller = threading.Thread(target=controller.run, args=(self._stop_controller,),
+                                            name="round-controller", daemon=True)  # fmt: skip
+        self._controller.start()
 
-    def _enter_round(self, round_: RoundRecord, revision: int) -> None:
-        if self.workers is not None:
-            logger.info("round %d (%s): stopping the workers of round %d", round_.round, round_.reason,
-                        self.round.round)  # fmt: skip
+    def _maybe_claim_controller(self, view: JobView) -> None:
+        if view.controller is not None or not self.mirror.connected:
+            self._claim_at = None
+            return
+        now = time.monotonic()
+        if self._claim_at is None:
+            members = len(view.round.nodes) if view.round is not None else 1
+            spread = min(_CLAIM_SPREAD_MAX_S, _CLAIM_SPREAD_PER_MEMBER_S * members)
+            self._claim_at = now + random.uniform(0, spread)
+        if now >= self._claim_at:
+            self._claim_at = None
+            self._claim_controller()
+
+    # -- rounds ----------------------------------------------------------------------------------------------
+    def _enter_round(self, record: RoundRecord, revision: int) -> None:
+        if self.run_ is not None and self.run_.workers is not None:
+            logger.info("round %d (%s): stopping the workers of round %d", record.round, record.reason,
+                        self.run_.record.round)  # fmt: skip
         self._stop_workers()
-        self.round, self.round_revision, self.pending_report = round_, revision, None
-        member = round_.member(self.node_id)
-        self.phase = "starting" if member is not None else "waiting"
+        member = record.member(self.node_id, self.record.lease)
+        phase = Phase.STARTING if member is not None else Phase.WAITING
+        self.run_ = RoundRun(record=record, revision=revision, member=member, phase=phase)
         if member is None:
-            logger.info("round %d formed without this node (at most %d nodes): waiting as a spare",
-                        round_.round, self.config.max_nodes)  # fmt: skip
+            logger.info("round %d formed without this node (at most %d nodes): waiting as a spare", record.round,
+                        self.config.max_nodes)  # fmt: skip
 
-    def _start_workers(self, snap: JobSnapshot) -> None:
-        member = self.round.member(self.node_id)
-        master = snap.current().master
+    def _start_workers(self, run: RoundRun, master: MasterRecord | None) -> None:
+        member = run.member
         if master is None:
             if member.group_rank != 0:
                 return  # rank 0's node publishes where its store will listen
             master = MasterRecord(addr=member.addr, port=free_port(member.addr))
-            self.client.put(self.keys.master(self.round.round), master.dumps())
-        self.workers = WorkerGroup(self.config, self.round, member, master)
-        self.workers.start()
-        self.phase = "running"
-        etcd_client.call_with_retry(self.client.put, self.keys.ack(self.round.round, self.node_id), str(os.getpid()),
-                                    deadline_s=self.config.rdzv.close_timeout / 2)  # fmt: skip
+            if not self.store.publish_master(run.record.round, run.revision, master):
+                return  # the round moved on; the next step enters the new one
+        run.workers = self.worker_group(self.config, run.record, member, master)
+        run.workers.start()
+        run.phase = Phase.RUNNING
 
-    def _handle_local(self, local: tuple[str, list[WorkerFailure]]) -> None:
-        outcome, failures = local
-        if outcome == "failed":
+    def _poll_workers(self, run: RoundRun) -> None:
+        outcome, failures = run.workers.poll()
+        if outcome is WorkerOutcome.RUNNING:
+            return
+        if outcome is WorkerOutcome.FAILED:
             for failure in failures:
                 logger.error("round %d: worker local_rank %d (rank %d) failed with exit code %d", failure.round,
                              failure.local_rank, failure.rank, failure.exit_code)  # fmt: skip
             self._stop_workers()  # peers of a failed worker usually hang in their next collective
-        self.pending_report = (outcome, failures)
-        self.phase = "reported"
-
-    def _report(self) -> None:
-        outcome, failures = self.pending_report
-        tx = self.client.transactions
-        round_number = self.round.round
-        if outcome == "failed":
-            report = NodeFailure(node=self.node_id, round=round_number, failures=failures)
-            events = [
-                membership_log.new_event("worker_failed", round=round_number, node=self.node_id,
-                                         local_rank=f.local_rank, rank=f.rank, exit_code=f.exit_code,
-                                         message=f.message or None)
-                for f in failures
-            ]  # fmt: skip
-            ops = [tx.put(self.keys.failed(round_number, self.node_id), report.dumps())]
-            ops += [membership_log.event_put(self.client, self.keys, e, self.node_id) for e in events]
+            run.pending_report = NodeFailure(node=self.node_id, round=run.record.round, failures=failures)
         else:
-            ops = [tx.put(self.keys.done(round_number, self.node_id), "0")]
-        # only while the round is still current: a report must never land in a later round
-        guard = [tx.mod(self.keys.round) == self.round_revision]
-        self.client.transaction(compare=guard, success=ops, failure=[])
-        self.pending_report = None
+            run.pending_report = True
+        run.phase = Phase.REPORTED
 
-    # -- leaving -----------------------------------------------------------------------------------------
+    def _report(self, run: RoundRun) -> None:
+        if isinstance(run.pending_report, NodeFailure):
+            self.store.report_failed(run.revision, run.pending_report)
+        else:
+            self.store.report_done(run.record.round, run.revision, self.node_id)
+        run.pending_report = None  # written, or the round moved on and the report no longer matters
+
+    def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
+        if self.run_ is not None and self.run_.workers is not None:
+            self.run_.workers.stop(signum)
+            self.run_.workers = None
+
+    # -- leaving ---------------------------------------------------------------------------------------------
     def _rejoin(self, why: str) -> None:
-        logger.warning("node %s lost its membership (%s): stopping workers and rejoining", self.node_id, why)
+        logger.warning("node %s lost its membership (%s): stopping workers and rejoining as a newcomer", self.node_id,
+                       why)  # fmt: skip
+        self._stop_controller.set()
         self._stop_workers()
-        self.phase, self.round, self.pending_report = "waiting", None, None
-        self.lease = None
-        self._register()
+        self.keeper.stop()
+        self.run_ = None
+        self._join()
 
-    def _leave_on_signal(self, signum: int) -> int:
+    def _leave(self, signum: int) -> int:
+        """Keep the lease while the workers stop, so peers' failures are not charged and no loss is logged."""
         name = signal.Signals(signum).name
+        reason = f"agent received {name}"
         logger.warning("received %s: stopping workers and leaving job %s", name, self.config.rdzv_id)
-        self._stop_workers(signum)  # forwarded as-is, SIGKILL after the grace period
-        tx = self.client.transactions
-        event = membership_log.new_event("node_left", node=self.node_id, round=self.round.round if self.round else None,
-                                         reason=f"agent received {name}")  # fmt: skip
         try:
-            etcd_client.call_with_retry(
-                self.client.transaction, deadline_s=5,
-                compare=[],
-                success=[tx.put(self.keys.left + self.node_id, str(time.time())),
-                         membership_log.event_put(self.client, self.keys, event, self.node_id),
-                         tx.delete(self.keys.node(self.node_id))],
-                failure=[],
-            )  # fmt: skip
-            if self.lease is not None:
-                self.lease.revoke()
+            self.store.announce_leaving(self.node_id, self.record.lease, reason)
+        except Exception as exc:
+            logger.warning("could not announce leaving (%s); stopping workers anyway", exc)
+        self._stop_workers(signum)  # forwarded as-is, SIGKILL after the grace period
+        self._stop_controller.set()
+        try:
+            self.store.leave(self.record, self.run_.record.round if self.run_ else None, reason)
         except Exception as exc:
             logger.warning("could not leave the membership cleanly (%s); peers will notice when the lease expires", exc)
         return 128 + signum
 
-    def _job_over(self, snap: JobSnapshot) -> int:
+    def _job_over(self, status: JobStatus) -> int:
         self._stop_workers()
-        self._release_lease()
-        if snap.status.state == "finished":
-            logger.info("%s", snap.status.summary)
-            return 0
-        print(f"elastic-run: {snap.status.summary}", file=sys.stderr, flush=True)
-        return 1
-
-    def _release_lease(self) -> None:
+        self._stop_controller.set()
+        self.keeper.stop()
         try:
-            if self.lease is not None:
-                self.lease.revoke()
+            self.store.revoke(self.record.lease)
         except Exception as exc:
             logger.debug("lease revoke failed: %s", exc)
+        if status.state == "finished":
+            logger.info("%s", status.summary)
+            return 0
+        print(f"elastic-run: {status.summary}", file=sys.stderr, flush=True)
+        return 1
 
-    def _job_already_over(self, snap: JobSnapshot) -> int:
-        if snap.status.state == "finished":
+    def _job_already_over(self, status: JobStatus) -> int:
+        if status.state == "finished":
             print(f"elastic-run: job {self.config.rdzv_id} already finished; nothing to do "
                   "(use a new --rdzv-id to start another)", file=sys.stderr, flush=True)  # fmt: skip
             return 0
-        print(f"elastic-run: job {self.config.rdzv_id} already failed: {snap.status.summary.splitlines()[0]}; "
+        print(f"elastic-run: job {self.config.rdzv_id} already failed: {status.summary.splitlines()[0]}; "
               "use a new --rdzv-id to start again", file=sys.stderr, flush=True)  # fmt: skip
         return 1
 
-    def _sync_log(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_mirror < _MIRROR_EVERY_S:
-            return
+    def _sync_log(self) -> None:
         try:
-            self.mirror.sync(self.client, self.keys)
-            self._last_mirror = now
+            self.log.sync(self.client, self.store.keys.events)
         except Exception as exc:
             logger.debug("membership log mirror failed: %s", exc)

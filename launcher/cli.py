@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="elastic-run",
         allow_abbrev=False,  # a script flag such as --log must never be read as a prefix of ours
         description="Fault-tolerant, elastic drop-in for torchrun: rendezvous in etcd v3, rounds re-formed on node "
-        "loss, worker failure or scale-up. `elastic-run log --help` shows the membership log.",
+        "loss, worker failure or scale-up. `elastic-run log --help` shows the membership log; `elastic-run purge --help` "
+        "deletes a finished job's keys.",
     )
 
     def add(*names: str, dest: str, default=None, **kwargs) -> None:
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rdzv-endpoint", dest="rdzv_endpoint", default="", help="etcd host:port, or a comma-separated list")
     add("--rdzv-id", dest="rdzv_id", default=None, help="job id: every agent of one job passes the same")
     add("--rdzv-conf", dest="rdzv_conf", default="", help="k=v,... keep_alive_interval, keep_alive_max_attempt, "
-        "join_timeout, last_call_timeout, close_timeout")  # fmt: skip
+        "join_timeout, last_call_timeout, close_timeout, max_events")  # fmt: skip
     add("--standalone", dest="standalone", action="store_true", help="run a private etcd on free loopback ports")
     add("--max-restarts", dest="max_restarts", default="0", help="worker failures tolerated, job-wide (default 0)")
     add("--monitor-interval", dest="monitor_interval", default="0.1", help="seconds between worker checks")
@@ -199,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.log_command import main as log_main
 
         return log_main(argv[1:])
+    if argv[:1] == ["purge"]:
+        from launcher.purge_command import main as purge_main
+
+        return purge_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)

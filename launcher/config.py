@@ -37,6 +37,7 @@ class RendezvousSettings(BaseModel):
     join_timeout: float = Field(600.0, gt=0, description="how long to wait for MIN nodes before the job fails")
     last_call_timeout: float = Field(30.0, ge=0, description="extra wait for more nodes once MIN are present")
     close_timeout: float = Field(30.0, gt=0, description="how long members of a new round have to start it")
+    max_events: int = Field(10000, ge=1, description="membership events etcd keeps per job (membership.jsonl keeps all)")
 
     @property
     def lease_ttl(self) -> int:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar
 
+import grpc
 import tenacity
 
 try:  # etcd-sdk-python: the maintained, API-identical fork of python-etcd3
     import pyetcd as etcd3
+    from pyetcd import events as etcd_events
     from pyetcd import exceptions as etcd_exceptions
 except ImportError:  # pragma: no cover - exercised only where python-etcd3 is what is installed
     import etcd3  # type: ignore[no-redef]
+    from etcd3 import events as etcd_events  # type: ignore[no-redef]
     from etcd3 import exceptions as etcd_exceptions  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
@@ -19,6 +22,9 @@ logger = logging.getLogger(__name__)
 EtcdClient = etcd3.MultiEndpointEtcd3Client
 EtcdError = etcd_exceptions.Etcd3Exception
 PreconditionFailed = etcd_exceptions.PreconditionFailedError
+RevisionCompacted = etcd_exceptions.RevisionCompactedError
+PutEvent = etcd_events.PutEvent
+DeleteEvent = etcd_events.DeleteEvent
 
 # gRPC's default reconnect backoff grows to two minutes; an agent must see etcd come back within seconds.
 _GRPC_OPTIONS = [
@@ -75,10 +81,29 @@ def check_reachable(client: EtcdClient, spec: str, deadline_s: float = 5.0) -> N
         ) from exc
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Errors that mean 'etcd did not answer this time', as opposed to a refused operation."""
-    import grpc
+# gRPC codes that mean "no answer this time": the server is down, restarting, electing a leader or overloaded.
+_TRANSIENT_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,  # etcd's "leader changed" and "connection reset" arrive as UNKNOWN
+}
+# The client raises a bare ValueError with this text while it lets a failed endpoint cool down.
+_FAILED_ENDPOINT_TEXT = "Trying to use a failed node"
 
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors that mean 'etcd did not answer this time', as opposed to a refused operation or a bad value.
+
+    A pydantic ValidationError or a JSONDecodeError is a ValueError too: it is never transient.
+    """
+    if isinstance(exc, grpc.RpcError):
+        return exc.code() in _TRANSIENT_CODES if hasattr(exc, "code") else True
+    if isinstance(exc, ValueError):
+        return type(exc) is ValueError and _FAILED_ENDPOINT_TEXT in str(exc)
     return isinstance(
         exc,
         (
@@ -86,8 +111,7 @@ def is_transient(exc: BaseException) -> bool:
             etcd_exceptions.ConnectionTimeoutError,
             etcd_exceptions.NoServerAvailableError,
             etcd_exceptions.InternalServerError,
-            grpc.RpcError,
-            ValueError,  # the client's "Trying to use a failed node" while an endpoint cools down
+            etcd_exceptions.WatchTimedOut,
         ),
     )
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from launcher import etcd_client, membership_log
 from launcher.membership_log import MembershipEvent
-from launcher.records import JobKeys
+from launcher.protocol import JobKeys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def _from_etcd(args: argparse.Namespace) -> int:
         return 1
     keys, seen, header = JobKeys(args.rdzv_id), 0, True
     try:
-        events = etcd_client.call_with_retry(membership_log.read_events, client, keys)
+        events = etcd_client.call_with_retry(membership_log.read_events, client, keys.events)
         if not events and not args.follow:
             print(f"elastic-run log: error: no events for job {args.rdzv_id!r} at {args.rdzv_endpoint} "
                   "(check --rdzv-id)", file=sys.stderr)  # fmt: skip
@@ -76,7 +76,7 @@ def _from_etcd(args: argparse.Namespace) -> int:
             if not args.follow or any(e.event in membership_log.TERMINAL_EVENTS for e in events):
                 return 0
             time.sleep(args.interval)
-            events = etcd_client.call_with_retry(membership_log.read_events, client, keys, seen)
+            events = etcd_client.call_with_retry(membership_log.read_events, client, keys.events, seen)
     except KeyboardInterrupt:
         return 130
     finally:

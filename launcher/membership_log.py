@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import fcntl
-import itertools
 import json
+import logging
 import os
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict
-
-from launcher.records import JobKeys
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 EventName = Literal[
     "node_joined",
@@ -26,9 +25,9 @@ EventName = Literal[
     "job_failed",
 ]
 TERMINAL_EVENTS = {"job_finished", "job_failed"}
+logger = logging.getLogger(__name__)
+_warned_keys: set[bytes] = set()
 LOG_FILE_NAME = "membership.jsonl"
-
-_sequence = itertools.count()
 
 
 class MembershipEvent(BaseModel):
@@ -56,23 +55,20 @@ def new_event(event: EventName, **fields) -> MembershipEvent:
     return MembershipEvent(event=event, time=time.time(), **fields)
 
 
-def event_put(client, keys: JobKeys, event: MembershipEvent, author: str):
-    """A transaction operation that appends `event`; the key sorts by time within one etcd revision."""
-    key = f"{keys.events}{time.time_ns():020d}-{author}-{next(_sequence):06d}"
-    return client.transactions.put(key, event.dumps())
-
-
-def append(client, keys: JobKeys, event: MembershipEvent, author: str) -> None:
-    client.transaction(compare=[], success=[event_put(client, keys, event, author)], failure=[])
-
-
-def read_events(client, keys: JobKeys, after_revision: int = 0) -> list[MembershipEvent]:
+def read_events(client, events_prefix: str, after_revision: int = 0) -> list[MembershipEvent]:
     """Events with an etcd revision above `after_revision`, in log order."""
     # events are never modified, so their mod revision is their create revision
     kwargs = {"min_mod_revision": after_revision + 1} if after_revision else {}
     found = []
-    for raw, meta in client.get_prefix(keys.events, **kwargs):
-        event = MembershipEvent.model_validate_json(raw)
+    for raw, meta in client.get_prefix(events_prefix, **kwargs):
+        try:
+            event = MembershipEvent.model_validate_json(raw)
+        except ValidationError as exc:
+            if meta.key not in _warned_keys:  # a foreign or damaged value: named once, never fatal
+                _warned_keys.add(meta.key)
+                logger.warning("ignoring malformed membership event at %s (%s)", meta.key.decode(errors="replace"),
+                               str(exc).splitlines()[0])  # fmt: skip
+            continue
         event.revision = meta.create_revision
         found.append((meta.create_revision, meta.key, event))
     found.sort(key=lambda item: (item[0], item[1]))
@@ -80,16 +76,36 @@ def read_events(client, keys: JobKeys, after_revision: int = 0) -> list[Membersh
 
 
 class LogMirror:
-    """Appends the job's events from etcd to one membership.jsonl, once each, even when agents share the file."""
+    """Appends the job's events from etcd to one membership.jsonl, once each, even when agents share the file.
+
+    One mirror per file and process (`for_dir`): agents that share a process and a log directory read each
+    event from etcd once between them.
+    """
+
+    _by_path: dict[Path, "LogMirror"] = {}
+    _registry_lock = threading.Lock()
 
     def __init__(self, log_dir: Path) -> None:
         self.path = Path(log_dir) / LOG_FILE_NAME
         self.seen_revision = 0
+        self._lock = threading.Lock()  # one sync at a time: seen_revision and the file move together
 
-    def sync(self, client, keys: JobKeys) -> None:
-        events = read_events(client, keys, self.seen_revision)
-        if not events:
-            return
+    @classmethod
+    def for_dir(cls, log_dir: Path) -> "LogMirror":
+        path = (Path(log_dir) / LOG_FILE_NAME).resolve()
+        with cls._registry_lock:
+            mirror = cls._by_path.get(path)
+            if mirror is None:
+                mirror = cls._by_path[path] = cls(log_dir)
+            return mirror
+
+    def sync(self, client, events_prefix: str) -> None:
+        with self._lock:
+            events = read_events(client, events_prefix, self.seen_revision)
+            if events:
+                self._append(events)
+
+    def _append(self, events: list[MembershipEvent]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a+") as file:
             fcntl.flock(file, fcntl.LOCK_EX)

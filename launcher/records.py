@@ -1,17 +1,17 @@
-"""The records a job keeps in etcd, as validated models, and the keys they live under."""
+"""The records a job keeps in etcd, as validated models. Where they live is `launcher.protocol`'s business."""
 
 from __future__ import annotations
 
+import functools
 import time
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-KEY_ROOT = "/elastic"
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Record(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     def dumps(self) -> str:
         return self.model_dump_json(exclude_none=True)
@@ -22,17 +22,26 @@ class Record(BaseModel):
 
 
 class NodeRecord(Record):
-    """An agent's registration, held under its lease: it disappears when the agent is lost."""
+    """An agent's registration, held under its lease: it disappears when the agent is lost.
+
+    `lease` is the registration's incarnation: an agent that registers again under the same node id is a
+    newcomer with another lease, never the member of a round formed for its previous incarnation.
+    """
 
     node: str
     addr: str
-    nproc: int
-    joined_at: float = Field(default_factory=time.time)
+    nproc: int = Field(ge=1)
+    lease: int
     pid: int
+    joined_at: float = Field(default_factory=time.time)
 
 
-class Member(Record):
+@dataclass(frozen=True)
+class Member:
+    """One node's place in a round."""
+
     node: str
+    incarnation: int
     group_rank: int
     nproc: int
     first_rank: int
@@ -44,26 +53,71 @@ class Member(Record):
 
 
 class RoundRecord(Record):
-    """A membership round: who trains, with which ranks. Written once, in one transaction, by the controller."""
+    """A membership round: who trains, with which ranks. Written once, in one transaction, by the controller.
 
-    round: int
-    members: list[Member]
+    Stored column-wise so that a round of thousands of nodes stays small: every agent receives it.
+    Members are in group-rank order; ranks are handed out cumulatively in that order.
+    """
+
+    round: int = Field(ge=0)
+    nodes: list[str]
+    incarnations: list[int]
+    nproc: list[int]
+    addrs: list[str]
     restart_count: int = 0
     reason: str
     formed_at: float = Field(default_factory=time.time)
 
+    @model_validator(mode="after")
+    def _columns_agree(self) -> "RoundRecord":
+        if not len(self.nodes) == len(self.incarnations) == len(self.nproc) == len(self.addrs):
+            raise ValueError("round record columns differ in length")
+        return self
+
+    @classmethod
+    def of(cls, round_: int, members: list[Member], restart_count: int, reason: str) -> "RoundRecord":
+        return cls(
+            round=round_, nodes=[m.node for m in members], incarnations=[m.incarnation for m in members],
+            nproc=[m.nproc for m in members], addrs=[m.addr for m in members], restart_count=restart_count,
+            reason=reason,
+        )  # fmt: skip
+
     @property
     def world_size(self) -> int:
-        return sum(m.nproc for m in self.members)
+        return sum(self.nproc)
 
-    def member(self, node: str) -> Member | None:
-        return next((m for m in self.members if m.node == node), None)
+    @property
+    def members(self) -> list[Member]:
+        found, first_rank = [], 0
+        for group_rank, (node, incarnation, nproc, addr) in enumerate(
+            zip(self.nodes, self.incarnations, self.nproc, self.addrs)
+        ):
+            found.append(Member(node, incarnation, group_rank, nproc, first_rank, addr))
+            first_rank += nproc
+        return found
+
+    def member(self, node: str, incarnation: int | None = None) -> Member | None:
+        """`node`'s place in this round; None if it is not a member (or, given an incarnation, not that one)."""
+        try:
+            index = self.nodes.index(node)
+        except ValueError:
+            return None
+        if incarnation is not None and self.incarnations[index] != incarnation:
+            return None
+        first_rank = sum(self.nproc[:index])
+        return Member(node, self.incarnations[index], index, self.nproc[index], first_rank, self.addrs[index])
 
     def member_summary(self) -> list[dict]:
         return [
             {"node": m.node, "group_rank": m.group_rank, "first_rank": m.first_rank, "last_rank": m.last_rank}
             for m in self.members
         ]
+
+
+@functools.lru_cache(maxsize=64)
+def load_round(raw: bytes) -> RoundRecord:
+    """Parse a round record once per process: agents sharing a process receive the very same bytes."""
+    return RoundRecord.loads(raw)
 
 
 class MasterRecord(Record):
@@ -92,47 +146,23 @@ class NodeFailure(Record):
     failures: list[WorkerFailure]
 
 
+class LeaveRecord(Record):
+    """An agent's notice that it is leaving: written before its workers stop, kept until the controller handled it."""
+
+    node: str
+    incarnation: int
+    reason: str
+    time: float = Field(default_factory=time.time)
+
+
+class RollCall(Record):
+    """The controller's request that every member of a round answer: a live agent does within milliseconds."""
+
+    round: int
+    nonce: str
+
+
 class JobStatus(Record):
     state: Literal["finished", "failed"]
     time: float = Field(default_factory=time.time)
     summary: str = ""
-
-
-class JobKeys:
-    """Every key of one job, under /elastic/<rdzv-id>/, so two jobs on one etcd never see each other.
-
-    Live state sits below `state/`, so one range read gives a whole snapshot; the membership log sits
-    below `events/`; what belongs to one round sits below `state/rounds/<round>/` and is deleted with it.
-    """
-
-    def __init__(self, rdzv_id: str) -> None:
-        self.prefix = f"{KEY_ROOT}/{rdzv_id}/"
-        self.state = self.prefix + "state/"
-        self.events = self.prefix + "events/"
-        self.nodes = self.state + "nodes/"
-        self.controller = self.state + "controller"
-        self.round = self.state + "round"
-        self.status = self.state + "status"
-        self.left = self.state + "left/"
-        self.rounds = self.state + "rounds/"
-
-    def node(self, node: str) -> str:
-        return self.nodes + node
-
-    def round_prefix(self, round_: int) -> str:
-        return f"{self.rounds}{round_:010d}/"
-
-    def master(self, round_: int) -> str:
-        return self.round_prefix(round_) + "master"
-
-    def failed(self, round_: int, node: str) -> str:
-        return self.round_prefix(round_) + "failed/" + node
-
-    def done(self, round_: int, node: str) -> str:
-        return self.round_prefix(round_) + "done/" + node
-
-    def ack(self, round_: int, node: str) -> str:
-        return self.round_prefix(round_) + "ack/" + node
-
-    def lost(self, round_: int, node: str) -> str:
-        return self.round_prefix(round_) + "lost/" + node

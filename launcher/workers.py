@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -76,6 +77,12 @@ def _pump(source: IO[bytes], log_file: IO[bytes], console: IO[str] | None, prefi
                 console.flush()
 
 
+class WorkerOutcome(enum.Enum):
+    RUNNING = "running"
+    FAILED = "failed"  # at least one worker exited non-zero
+    SUCCEEDED = "succeeded"  # every worker exited 0
+
+
 class WorkerGroup:
     """The local workers of one round, each in its own process group so its whole tree can be stopped."""
 
@@ -130,18 +137,18 @@ class WorkerGroup:
         console = (sys.stdout if name == "stdout" else sys.stderr) if shown else None
         return subprocess.PIPE, log_file, console
 
-    def poll(self) -> tuple[str, list[WorkerFailure]]:
-        """('running' | 'failed' | 'succeeded', failures earliest first)."""
+    def poll(self) -> tuple[WorkerOutcome, list[WorkerFailure]]:
+        """The group's outcome so far, and its failures earliest first."""
         now = time.time()
         for local_rank, process in enumerate(self.processes):
             if process.poll() is not None:
                 self._exited_at.setdefault(local_rank, now)
         failures = [self._failure(r) for r, p in enumerate(self.processes) if p.returncode not in (None, 0)]
         if failures:
-            return "failed", sorted(failures, key=lambda f: (f.time, f.rank))
+            return WorkerOutcome.FAILED, sorted(failures, key=lambda f: (f.time, f.rank))
         if len(self._exited_at) == len(self.processes):
-            return "succeeded", []
-        return "running", []
+            return WorkerOutcome.SUCCEEDED, []
+        return WorkerOutcome.RUNNING, []
 
     def _failure(self, local_rank: int) -> WorkerFailure:
         directory = self.attempt_dir / str(local_rank)

@@ -1,91 +1,141 @@
-"""The round controller's decisions, tick by tick, against a real etcd with hand-placed agent records."""
+"""The controller thread on a real etcd, with agents played by hand through the protocol's own operations."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from launcher import etcd_client
 from launcher.config import LaunchConfig, RendezvousSettings
-from launcher.controller import RoundController
-from launcher.job_state import read_snapshot
-from launcher.membership_log import read_events
-from launcher.records import JobKeys, NodeFailure, NodeRecord, WorkerFailure
+from launcher.controller import Controller
+from launcher.job_view import ViewParser
+from launcher.membership_log import LogMirror, read_events
+from launcher.protocol import Holder, JobStore
+from launcher.records import NodeFailure, NodeRecord, WorkerFailure
+from launcher.watch import RangeMirror
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(90)
+
+
+class HandPlayedJob:
+    """Agents `a` and `b` registered under leases this test refreshes (or not); `a` holds the controller key."""
+
+    def __init__(self, endpoint: str, log_dir, max_restarts: int = 0) -> None:
+        self.client = etcd_client.connect(endpoint)
+        self.store = JobStore(self.client, "ctl")
+        self.config = LaunchConfig(
+            min_nodes=1, max_nodes=2, nproc_per_node=1, rdzv_endpoint=endpoint, rdzv_id="ctl", node_id="a",
+            entrypoint="train.py", max_restarts=max_restarts, log_dir=log_dir,
+            rdzv=RendezvousSettings(keep_alive_interval=0.5, keep_alive_max_attempt=3, last_call_timeout=0,
+                                    close_timeout=60),
+        )  # fmt: skip
+        self.leases = {}
+        self.refreshing: set[str] = set()
+        self._stop = threading.Event()
+        for index, name in enumerate(("a", "b")):
+            lease = self.client.lease(self.config.rdzv.lease_ttl)
+            self.leases[name] = lease
+            self.refreshing.add(name)
+            self.store.register(NodeRecord(node=name, addr="127.0.0.1", nproc=1, lease=lease.id, pid=1,
+                                           joined_at=index))  # fmt: skip
+        threading.Thread(target=self._keep_alive, daemon=True).start()
+        holder = Holder("a", self.leases["a"].id)
+        assert self.store.claim_controller(holder)
+        controller = Controller(self.store, holder, self.config, LogMirror(log_dir))
+        self.thread = threading.Thread(target=controller.run, args=(self._stop,), daemon=True)
+        self.thread.start()
+        self.mirror = RangeMirror(self.client, self.store.keys.state).start()
+        self.parser = ViewParser(self.store.keys.state, self.store.keys.state)
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(0.5):
+            for name in list(self.refreshing):
+                self.leases[name].refresh()
+
+    def view(self):
+        entries, revision, _ = self.mirror.snapshot()
+        return self.parser.parse(entries, revision)
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            view = self.view()
+            if predicate(view):
+                return view
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}: {self.view()}")
+
+    def start_round(self):
+        view = self.wait_for(lambda v: v.round is not None, 10, "round 0")
+        for name in ("a", "b"):
+            self.store.acknowledge(view.round.round, view.round_revision, name, 1)
+        return view
+
+    def fail(self, name: str, view) -> None:
+        worker = WorkerFailure(node=name, round=view.round.round, local_rank=0, rank=0, exit_code=1, time=time.time())
+        self.store.report_failed(view.round_revision, NodeFailure(node=name, round=view.round.round, failures=[worker]))
+
+    def events(self) -> list[str]:
+        return [e.event for e in read_events(self.client, self.store.keys.events)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=10)
+        self.mirror.close()
+        self.client.close()
 
 
 @pytest.fixture
-def job(etcd):
-    client = etcd_client.connect(etcd.endpoint)
-    keys = JobKeys("ctl")
-    leases = {}
+def job(etcd, tmp_path):
+    jobs = []
 
-    def join(node: str) -> None:
-        leases[node] = client.lease(2)
-        record = NodeRecord(node=node, addr="127.0.0.1", nproc=1, pid=1, joined_at=len(leases))
-        client.put(keys.node(node), record.dumps(), lease=leases[node].id)
+    def make(max_restarts: int = 0) -> HandPlayedJob:
+        jobs.append(HandPlayedJob(etcd.endpoint, tmp_path, max_restarts))
+        return jobs[-1]
 
-    def controller(max_restarts: int) -> RoundController:
-        config = LaunchConfig(
-            min_nodes=1, max_nodes=2, nproc_per_node=1, rdzv_endpoint=etcd.endpoint, rdzv_id="ctl", node_id="a",
-            entrypoint="train.py", max_restarts=max_restarts,
-            rdzv=RendezvousSettings(keep_alive_interval=0.5, keep_alive_max_attempt=3, last_call_timeout=0),
-        )  # fmt: skip
-        return RoundController(client, keys, config, lambda: leases["a"].id)
-
-    def fail(node: str, round_: int) -> None:
-        failure = WorkerFailure(node=node, round=round_, local_rank=0, rank=0, exit_code=1, time=time.time())
-        client.put(keys.failed(round_, node), NodeFailure(node=node, round=round_, failures=[failure]).dumps())
-
-    def two_node_round(max_restarts: int) -> RoundController:
-        """a and b joined; a's controller formed round 0."""
-        join("a")
-        join("b")
-        ctl = controller(max_restarts)
-        ctl.tick()
-        assert read_snapshot(client, keys).round.round == 0
-        return ctl
-
-    yield client, keys, two_node_round, fail, leases
-    client.close()
+    yield make
+    for each in jobs:
+        each.close()
 
 
-def test_peer_failures_while_a_member_is_silent_wait_for_its_lease(job):
-    client, keys, two_node_round, fail, leases = job
-    ctl = two_node_round(max_restarts=0)
+def test_a_dead_nodes_lease_held_back_by_a_slow_etcd_is_still_a_loss_not_a_failure(job):
+    played = job(max_restarts=0)
+    round0 = played.start_round()
+    played.fail("a", round0)  # b's death broke a's all_reduce; b itself never reports
+    view = played.wait_for(lambda v: 0 in v.rollcalls, 5, "the roll call")
+    # b is dead, but etcd keeps its lease alive (a busy leader): 8 s, far past the old TTL + 1 s timer
+    time.sleep(8)
+    view = played.view()
+    assert view.status is None and view.round.round == 0, "a silent member must not be charged as a failure"
+    played.refreshing.discard("b")  # etcd finally expires b's lease
+    view = played.wait_for(lambda v: v.round.round == 1, 10, "a round without b")
+    assert (view.round.reason, view.round.restart_count, view.round.nodes) == ("node_lost", 0, ["a"])
+    assert view.status is None
+    assert played.events()[-3:] == ["worker_failed", "node_lost", "round_started"]
 
-    fail("a", 0)  # b's death broke a's all_reduce; b itself never reports
-    ctl.tick()
-    snap = read_snapshot(client, keys)
-    assert snap.round.round == 0 and snap.status is None, "must wait: b may be dead, not a's fault"
 
-    leases["b"].revoke()  # what etcd does when b's lease expires
-    ctl.tick()
-    snap = read_snapshot(client, keys)
-    assert (snap.round.round, snap.round.reason, snap.round.restart_count) == (1, "node_lost", 0)
-    assert snap.status is None
-    assert [e.event for e in read_events(client, keys)] == ["round_started", "node_lost", "round_started"]
+def test_a_silent_member_that_answers_the_roll_call_makes_the_failure_count(job):
+    played = job(max_restarts=0)
+    round0 = played.start_round()
+    played.fail("a", round0)
+    view = played.wait_for(lambda v: 0 in v.rollcalls, 5, "the roll call")
+    started = time.monotonic()
+    played.store.answer_rollcall(0, view.round_revision, "b", view.rollcalls[0].nonce)  # b's workers hang; b lives
+    view = played.wait_for(lambda v: v.status is not None, 5, "the job to end")
+    assert time.monotonic() - started < 2, "an answer decides at once, not after a lease period"
+    assert view.status.state == "failed"
+    assert "root cause node a, rank 0 (local_rank 0), exit code 1, in round 0" in view.status.summary
+    assert played.events()[-1] == "job_failed"
 
 
-def test_a_failure_with_every_member_alive_counts_against_max_restarts(job):
-    client, keys, two_node_round, fail, leases = job
-    ctl = two_node_round(max_restarts=1)
-    fail("a", 0)
-    deadline = time.monotonic() + ctl._lease_expiry_bound() + 2
-    while read_snapshot(client, keys).round.round == 0:
-        assert time.monotonic() < deadline, "a failure with b alive must restart after the lease bound"
-        for node in leases.values():
-            node.refresh()
-        ctl.tick()
-        time.sleep(0.2)
-    snap = read_snapshot(client, keys)
-    assert (snap.round.reason, snap.round.restart_count) == ("worker_failed", 1)
-
-    fail("b", 1)  # the earlier failure is the root cause
-    fail("a", 1)  # everyone reported: no waiting, and the budget of 1 is spent
-    ctl.tick()
-    snap = read_snapshot(client, keys)
-    assert snap.status is not None and snap.status.state == "failed"
-    assert "root cause node b, rank 0 (local_rank 0), exit code 1, in round 1" in snap.status.summary
+def test_a_worker_failure_within_max_restarts_forms_a_new_round_with_one_more_restart(job):
+    played = job(max_restarts=1)
+    round0 = played.start_round()
+    played.fail("a", round0)
+    played.fail("b", round0)  # everyone reported: no roll call needed
+    view = played.wait_for(lambda v: v.round.round == 1, 5, "round 1")
+    assert (view.round.reason, view.round.restart_count) == ("worker_failed", 1)
+    assert 0 not in view.rollcalls and not view.reports.get(0), "round 0's reports go with it"
+    assert played.events()[-2:] == ["restart", "round_started"]

@@ -8,14 +8,15 @@ import pytest
 
 from launcher import etcd_client, membership_log
 from launcher.config import RendezvousSettings, Std, parse_nnodes, parse_rdzv_conf, parse_std_spec
-from launcher.controller import assign_ranks, failure_summary, root_cause
-from launcher.records import JobKeys, NodeRecord, RoundRecord, WorkerFailure
+from launcher.decisions import assign_ranks, failure_summary, root_cause
+from launcher.protocol import JobKeys
+from launcher.records import NodeRecord, RoundRecord, WorkerFailure
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def node(name: str, nproc: int = 2, joined_at: float = 0.0) -> NodeRecord:
-    return NodeRecord(node=name, addr="10.0.0.1", nproc=nproc, joined_at=joined_at, pid=1)
+def node(name: str, nproc: int = 2, joined_at: float = 0.0, lease: int = 7) -> NodeRecord:
+    return NodeRecord(node=name, addr="10.0.0.1", nproc=nproc, joined_at=joined_at, pid=1, lease=lease)
 
 
 @pytest.mark.parametrize("spec, expected", [("1", (1, 1)), ("3", (3, 3)), ("2:4", (2, 4)), ("1:1", (1, 1))])
@@ -58,14 +59,31 @@ def test_assign_ranks_is_deterministic_and_cumulative():
 
 
 def test_survivors_keep_their_order_and_newcomers_fill_up_to_max():
-    first = RoundRecord(round=0, reason="initial", members=assign_ranks(None, {
-        "x": node("x", joined_at=2), "y": node("y", joined_at=1), "z": node("z", joined_at=3)}, 3))  # fmt: skip
+    first = RoundRecord.of(0, assign_ranks(None, {
+        "x": node("x", joined_at=2), "y": node("y", joined_at=1), "z": node("z", joined_at=3)}, 3), 0, "initial")  # fmt: skip
     assert [m.node for m in first.members] == ["y", "x", "z"]
     alive = {"x": node("x", joined_at=2), "z": node("z", joined_at=3), "new1": node("new1", joined_at=0),
              "new2": node("new2", joined_at=9)}  # fmt: skip
     second = assign_ranks(first, alive, max_nodes=3)
     assert [m.node for m in second] == ["x", "z", "new1"]  # new2 waits as a spare
     assert [m.first_rank for m in second] == [0, 2, 4]
+
+
+def test_a_node_that_registered_again_is_a_newcomer_not_a_survivor():
+    first = RoundRecord.of(0, assign_ranks(None, {"x": node("x", joined_at=1), "y": node("y", joined_at=2)}, 2), 0,
+                           "initial")  # fmt: skip
+    again = {"x": node("x", joined_at=5, lease=8), "y": node("y", joined_at=2)}
+    second = assign_ranks(first, again, max_nodes=2)
+    assert [(m.node, m.incarnation) for m in second] == [("y", 7), ("x", 8)]
+    assert first.member("x", 8) is None and first.member("x", 7).group_rank == 0
+
+
+def test_round_records_stay_small_for_thousands_of_nodes():
+    nodes = {f"host{i:05d}_123456": node(f"host{i:05d}_123456", nproc=8, joined_at=i, lease=i) for i in range(4096)}
+    record = RoundRecord.of(3, assign_ranks(None, nodes, 4096), 0, "initial")
+    assert len(record.dumps()) < 100 * 4096  # bytes per member, so every agent can afford to receive it
+    member = record.member("host04095_123456")
+    assert (member.group_rank, member.first_rank, record.world_size) == (4095, 4095 * 8, 4096 * 8)
 
 
 def test_root_cause_is_the_earliest_failure():
@@ -87,21 +105,25 @@ def test_endpoints_parse_lists_and_default_port():
 def test_agents_sharing_a_log_dir_write_each_event_once(etcd, tmp_path):
     client = etcd_client.connect(etcd.endpoint)
     keys = JobKeys("mirror")
+
+    def append(*events: membership_log.MembershipEvent) -> None:
+        # one transaction, one revision: events land together, in key order
+        puts = [client.transactions.put(keys.new_event_key("t"), e.dumps()) for e in events]
+        client.transaction(compare=[], success=puts, failure=[])
+
     try:
         mirrors = [membership_log.LogMirror(tmp_path), membership_log.LogMirror(tmp_path)]
-        membership_log.append(client, keys, membership_log.new_event("node_joined", node="a"), "a")
-        mirrors[0].sync(client, keys)
-        membership_log.append(client, keys, membership_log.new_event("node_joined", node="b"), "b")
-        # one transaction, one revision: both events land together, in key order
-        client.transaction(compare=[], success=[
-            membership_log.event_put(client, keys, membership_log.new_event("round_started", round=0), "a"),
-            membership_log.event_put(client, keys, membership_log.new_event("restart", round=0), "a"),
-        ], failure=[])  # fmt: skip
+        append(membership_log.new_event("node_joined", node="a"))
+        mirrors[0].sync(client, keys.events)
+        append(membership_log.new_event("node_joined", node="b"))
+        append(membership_log.new_event("round_started", round=0), membership_log.new_event("restart", round=0))
+        client.put(keys.new_event_key("foreign"), "not an event")  # named in a warning, never fatal
         for mirror in reversed(mirrors):
-            mirror.sync(client, keys)
-        mirrors[0].sync(client, keys)
+            mirror.sync(client, keys.events)
+        mirrors[0].sync(client, keys.events)
         lines = [json.loads(line) for line in (tmp_path / "membership.jsonl").read_text().splitlines()]
         assert [e["event"] for e in lines] == ["node_joined", "node_joined", "round_started", "restart"]
-        assert [e["event"] for e in lines] == [e.event for e in membership_log.read_events(client, keys)]
+        assert [e["event"] for e in lines] == [e.event for e in membership_log.read_events(client, keys.events)]
+        assert membership_log.LogMirror.for_dir(tmp_path) is membership_log.LogMirror.for_dir(tmp_path / ".")
     finally:
         client.close()

@@ -1,0 +1,324 @@
+"""The controller's rules as pure functions: (job view, local clock, now, settings) -> one decision.
+
+Nothing here reads etcd, sleeps or looks at the wall clock; `launcher.controller` applies what `decide` returns
+through `launcher.protocol`. The rules, in the order they are tried:
+
+1. The job has a status: nothing more to do.
+2. Leave notices of nodes that are gone and belong to no round are forgotten.
+3. No round yet: MAX nodes form round 0 at once; MIN nodes form it once `last_call_timeout` passed since MIN
+   were first present; fewer than MIN for `join_timeout` fail the job.
+4. A member's incarnation is gone (lease ended, or the node id registered again as a newcomer): it is marked
+   lost (unless it left), then a round forms without it if MIN nodes remain, else the job fails after
+   `join_timeout`. A loss never counts against `--max-restarts`.
+5. A member announced it is leaving: wait until its registration is gone (it keeps its lease until its
+   workers exited); after `close_timeout` it is evicted.
+6. Workers failed: every member that has not reported is asked to answer a roll call. Once all have answered,
+   the failure is a worker failure: a new round with one more restart, or the end of the job past
+   `--max-restarts`. A member that never answers is dead or hung: its lease ends (rule 4) or, after
+   `close_timeout`, it is evicted; either way, a loss.
+7. Every member reported success: the job finished.
+8. Members that did not start the round within `close_timeout` are evicted; nodes waiting outside a round
+   that has room form a scale-up round once MAX are present or `last_call_timeout` passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+
+from launcher.job_view import JobView
+from launcher.records import Member, NodeRecord, RoundRecord, WorkerFailure
+
+
+class RoundReason(str, Enum):
+    INITIAL = "initial"
+    NODE_LOST = "node_lost"
+    NODE_LEFT = "node_left"
+    WORKER_FAILED = "worker_failed"
+    SCALE_UP = "scale_up"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the rules need of the launch configuration."""
+
+    rdzv_id: str
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    join_timeout: float
+    last_call_timeout: float
+    close_timeout: float
+
+
+@dataclass(frozen=True)
+class Clock:
+    """When each condition the rules wait on was first seen (local monotonic seconds; None: it does not hold)."""
+
+    leading_since: float
+    round: int | None = None  # the round the per-round times belong to
+    round_seen_at: float | None = None
+    quorum_since: float | None = None  # MIN nodes present, no round yet
+    short_since: float | None = None  # fewer than MIN nodes left after a loss
+    joiner_since: float | None = None  # a node waits outside a round that has room
+    rollcall_since: float | None = None
+    leaving_since: float | None = None
+
+
+# -- decisions -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Wait:
+    until: float | None  # None: until something changes in etcd
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class FormRound:
+    number: int
+    members: list[Member]
+    reason: RoundReason
+    restart_count: int
+    handled_left: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MarkLost:
+    reasons: dict[str, str]  # node -> why
+    revoke: dict[str, int] = field(default_factory=dict)  # node -> lease to end: evicting a live agent fences it
+
+
+@dataclass(frozen=True)
+class CallRollCall:
+    round: int
+
+
+@dataclass(frozen=True)
+class ForgetLeft:
+    nodes: list[str]
+
+
+@dataclass(frozen=True)
+class EndJob:
+    finished: bool
+    summary: str
+    cause: WorkerFailure | None = None
+
+
+Decision = Wait | FormRound | MarkLost | CallRollCall | ForgetLeft | EndJob
+
+
+# -- pure helpers ----------------------------------------------------------------------------------------------
+def assign_ranks(previous: RoundRecord | None, nodes: dict[str, NodeRecord], max_nodes: int) -> list[Member]:
+    """Deterministic membership: surviving members keep their order, then newcomers by join time and name.
+
+    A survivor is the same incarnation as in `previous`; a node id that registered again is a newcomer.
+    """
+    order = []
+    if previous is not None:
+        order = [n for n, inc in zip(previous.nodes, previous.incarnations) if n in nodes and nodes[n].lease == inc]
+    kept = set(order)
+    newcomers = sorted((n for n in nodes if n not in kept), key=lambda n: (nodes[n].joined_at, n))
+    members, next_rank = [], 0
+    for group_rank, node in enumerate((order + newcomers)[:max_nodes]):
+        record = nodes[node]
+        members.append(Member(node, record.lease, group_rank, record.nproc, next_rank, record.addr))
+        next_rank += record.nproc
+    return members
+
+
+def root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
+    """The earliest failure: later ones are usually peers noticing the first (as torchrun reports it)."""
+    return min(failures, key=lambda f: (f.time, f.rank))
+
+
+def failure_summary(rdzv_id: str, restarts: int, cause: WorkerFailure) -> str:
+    exit_text = f"exit code {cause.exit_code}" if cause.exit_code >= 0 else f"killed by signal {-cause.exit_code}"
+    lines = [
+        f"job {rdzv_id} failed after {restarts} restart(s): root cause node {cause.node}, "
+        f"rank {cause.rank} (local_rank {cause.local_rank}), {exit_text}, in round {cause.round}"
+    ]
+    if cause.message:
+        lines.append(f"error: {cause.message}")
+    if cause.traceback:
+        lines.append(cause.traceback.rstrip())
+    return "\n".join(lines)
+
+
+def _alive(view: JobView, member: Member) -> bool:
+    record = view.nodes.get(member.node)
+    return record is not None and record.lease == member.incarnation
+
+
+def _leaving(view: JobView, node: str, incarnation: int) -> bool:
+    notice = view.left.get(node)
+    return notice is not None and notice.incarnation == incarnation
+
+
+def _eligible(view: JobView) -> dict[str, NodeRecord]:
+    """Registered nodes that may join a round: every one but those on their way out."""
+    return {n: r for n, r in view.nodes.items() if not _leaving(view, n, r.lease)}
+
+
+def _members(view: JobView) -> list[Member]:
+    return view.round.members if view.round is not None else []
+
+
+def _waiting(view: JobView, eligible: dict[str, NodeRecord]) -> list[str]:
+    """Eligible nodes that are not (this incarnation of) a member of the current round."""
+    if view.round is None:
+        return list(eligible)
+    return [n for n, r in eligible.items() if view.round.member(n, r.lease) is None]
+
+
+def _silent(view: JobView) -> list[Member]:
+    reports = view.current()
+    return [m for m in _members(view) if m.node not in reports.failed and m.node not in reports.done]
+
+
+def _since(current: float | None, holds: bool, now: float) -> float | None:
+    if not holds:
+        return None
+    return now if current is None else current
+
+
+def track(view: JobView, clock: Clock, now: float, settings: Settings) -> Clock:
+    """The clock after looking at `view` at `now`: conditions that began are stamped, those that ended cleared."""
+    number = view.round.round if view.round is not None else None
+    if number != clock.round:
+        clock = Clock(leading_since=clock.leading_since, round=number, round_seen_at=now if number is not None else None,
+                      quorum_since=clock.quorum_since, short_since=clock.short_since)  # fmt: skip
+    eligible = _eligible(view)
+    members = _members(view)
+    gone = [m for m in members if not _alive(view, m)]
+    leaving = [m for m in members if _alive(view, m) and _leaving(view, m.node, m.incarnation)]
+    has_room = view.round is not None and len(members) < settings.max_nodes
+    rollcall = view.round is not None and view.round.round in view.rollcalls
+    return dataclasses.replace(
+        clock,
+        quorum_since=_since(clock.quorum_since, view.round is None and len(eligible) >= settings.min_nodes, now),
+        short_since=_since(clock.short_since, bool(gone) and len(eligible) < settings.min_nodes, now),
+        joiner_since=_since(clock.joiner_since, has_room and bool(_waiting(view, eligible)), now),
+        rollcall_since=_since(clock.rollcall_since, rollcall, now),
+        leaving_since=_since(clock.leaving_since, bool(leaving), now),
+    )
+
+
+# -- the rules -------------------------------------------------------------------------------------------------
+def decide(view: JobView, clock: Clock, now: float, settings: Settings) -> Decision:
+    """The one thing the controller should do next (see the module docstring for the rules)."""
+    if view.status is not None:
+        return Wait(None, "the job is over")
+    stale = _stale_leave_notices(view)
+    if stale:
+        return ForgetLeft(stale)
+    if view.round is None:
+        return _first_round(view, clock, now, settings)
+    return _running_round(view, clock, now, settings)
+
+
+def _stale_leave_notices(view: JobView) -> list[str]:
+    stale = []
+    for node, notice in view.left.items():
+        still_here = _alive(view, Member(node, notice.incarnation, 0, 1, 0, ""))
+        member = view.round is not None and view.round.member(node, notice.incarnation) is not None
+        if not still_here and not member:
+            stale.append(node)
+    return stale
+
+
+def _first_round(view: JobView, clock: Clock, now: float, settings: Settings) -> Decision:
+    eligible = _eligible(view)
+    count = len(eligible)
+    if count >= settings.max_nodes:
+        return _form(view, eligible, RoundReason.INITIAL, 0, settings)
+    if count >= settings.min_nodes:
+        deadline = clock.quorum_since + settings.last_call_timeout
+        if now >= deadline:
+            return _form(view, eligible, RoundReason.INITIAL, 0, settings)
+        return Wait(deadline, f"last call: {count} of up to {settings.max_nodes} node(s)")
+    deadline = clock.leading_since + settings.join_timeout
+    if now >= deadline:
+        return EndJob(False, f"rendezvous timed out: {count} of at least {settings.min_nodes} node(s) joined "
+                             f"within join_timeout={settings.join_timeout:g}s")  # fmt: skip
+    return Wait(deadline, f"waiting for nodes: {count} of at least {settings.min_nodes}")
+
+
+def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) -> Decision:
+    round_, reports = view.round, view.current()
+    eligible = _eligible(view)
+    members = round_.members
+
+    gone = [m for m in members if not _alive(view, m)]
+    if gone:
+        unmarked = {
+            m.node: "lease expired" if m.node not in view.nodes else "registered again as a new incarnation"
+            for m in gone
+            if m.node not in reports.lost and not _leaving(view, m.node, m.incarnation)
+        }
+        if unmarked:
+            return MarkLost(unmarked)
+        left = [m.node for m in gone if _leaving(view, m.node, m.incarnation)]
+        reason = RoundReason.NODE_LEFT if len(left) == len(gone) else RoundReason.NODE_LOST
+        if len(eligible) >= settings.min_nodes:
+            return _form(view, eligible, reason, round_.restart_count, settings, handled_left=left)
+        deadline = clock.short_since + settings.join_timeout
+        if now >= deadline:
+            return EndJob(False, f"only {len(eligible)} node(s) left, fewer than MIN={settings.min_nodes}, "
+                                 f"for join_timeout={settings.join_timeout:g}s")  # fmt: skip
+        return Wait(deadline, f"{len(eligible)} node(s), fewer than MIN={settings.min_nodes}")
+
+    leaving = [m for m in members if _leaving(view, m.node, m.incarnation)]
+    if leaving:
+        deadline = clock.leaving_since + settings.close_timeout
+        if now >= deadline:
+            reason = f"did not finish leaving within close_timeout={settings.close_timeout:g}s"
+            return MarkLost({m.node: reason for m in leaving}, {m.node: m.incarnation for m in leaving})
+        return Wait(deadline, f"{', '.join(m.node for m in leaving)} leaving")
+
+    if reports.failed:
+        silent = _silent(view)
+        if silent:
+            rollcall = view.rollcalls.get(round_.round)
+            if rollcall is None:
+                return CallRollCall(round_.round)
+            unanswered = [m for m in silent if reports.alive.get(m.node) != rollcall.nonce]
+            if unanswered:
+                deadline = clock.rollcall_since + settings.close_timeout
+                if now >= deadline:
+                    reason = f"did not answer the roll call within close_timeout={settings.close_timeout:g}s"
+                    return MarkLost({m.node: reason for m in unanswered}, {m.node: m.incarnation for m in unanswered})
+                return Wait(deadline, f"roll call: {len(unanswered)} member(s) have not answered")
+        failures = [f for report in reports.failed.values() for f in report.failures]
+        restarts = round_.restart_count + 1
+        if restarts > settings.max_restarts:
+            cause = root_cause(failures)
+            return EndJob(False, failure_summary(settings.rdzv_id, round_.restart_count, cause), cause)
+        return _form(view, eligible, RoundReason.WORKER_FAILED, restarts, settings)
+
+    if all(m.node in reports.done for m in members):
+        return EndJob(True, f"job {settings.rdzv_id} finished")
+
+    deadlines = []
+    unstarted = [m for m in members if m.node not in reports.acked and m.node not in reports.done]
+    if unstarted:
+        deadline = clock.round_seen_at + settings.close_timeout
+        if now >= deadline:
+            reason = f"did not start round {round_.round} within close_timeout={settings.close_timeout:g}s"
+            return MarkLost({m.node: reason for m in unstarted}, {m.node: m.incarnation for m in unstarted})
+        deadlines.append(deadline)
+
+    waiting = _waiting(view, eligible)
+    if waiting and len(members) < settings.max_nodes:
+        deadline = clock.joiner_since + settings.last_call_timeout
+        if len(members) + len(waiting) >= settings.max_nodes or now >= deadline:
+            return _form(view, eligible, RoundReason.SCALE_UP, round_.restart_count, settings)
+        deadlines.append(deadline)
+    return Wait(min(deadlines) if deadlines else None, "round running")
+
+
+def _form(view: JobView, eligible: dict[str, NodeRecord], reason: RoundReason, restart_count: int,
+          settings: Settings, handled_left: list[str] = ()) -> FormRound:  # fmt: skip
+    number = view.round.round + 1 if view.round is not None else 0
+    members = assign_ranks(view.round, eligible, settings.max_nodes)
+    return FormRound(number, members, reason, restart_count, list(handled_left))

@@ -1,0 +1,136 @@
+"""A job's state as plain data, parsed from the raw keys of a `RangeMirror`; malformed keys are named once and ignored."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from launcher.records import (
+    JobStatus,
+    LeaveRecord,
+    MasterRecord,
+    NodeFailure,
+    NodeRecord,
+    RollCall,
+    RoundRecord,
+    load_round,
+)
+from launcher.watch import Entry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundReports:
+    """What members reported about one round, and what the controller recorded about it."""
+
+    acked: set[str] = field(default_factory=set)
+    done: set[str] = field(default_factory=set)
+    failed: dict[str, NodeFailure] = field(default_factory=dict)
+    alive: dict[str, str] = field(default_factory=dict)  # node -> the roll-call nonce it answered
+    lost: dict[str, str] = field(default_factory=dict)  # node -> why
+
+
+@dataclass
+class JobView:
+    """Everything the agent or the controller knows of the job at one etcd revision."""
+
+    revision: int = 0
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    controller: str | None = None
+    round: RoundRecord | None = None
+    round_revision: int = 0  # mod revision of the round record: the guard of every write about that round
+    status: JobStatus | None = None
+    masters: dict[int, MasterRecord] = field(default_factory=dict)
+    rollcalls: dict[int, RollCall] = field(default_factory=dict)
+    left: dict[str, LeaveRecord] = field(default_factory=dict)
+    reports: dict[int, RoundReports] = field(default_factory=dict)
+
+    def current(self) -> RoundReports:
+        """Reports about the current round (empty before the first round)."""
+        return self.reports.get(self.round.round, RoundReports()) if self.round else RoundReports()
+
+
+_ROUND_REPORT_KINDS = {"ack", "done", "failed", "alive", "lost"}
+
+
+class ViewParser:
+    """Turns the raw entries of a mirror of `mirror_prefix` (the job's `state/` or a range below it) into a JobView.
+
+    A value that does not parse (a foreign tool wrote under our prefix, a half-upgraded agent) is reported
+    once per key and revision as a warning naming the key, and left out: it never stops the job.
+    """
+
+    def __init__(self, state_prefix: str, mirror_prefix: str) -> None:
+        if not mirror_prefix.startswith(state_prefix):
+            raise ValueError(f"{mirror_prefix} is not below {state_prefix}")
+        self.state_prefix = state_prefix
+        self._below_state = mirror_prefix[len(state_prefix) :]  # what turns a mirror key into a state key
+        self._warned: set[tuple[str, int]] = set()
+        # key -> (mod revision, parsed record): a controller of thousands of nodes re-parses only what changed
+        self._parsed: dict[str, tuple[int, object]] = {}
+        self._next_parsed: dict[str, tuple[int, object]] = {}
+
+    def parse(self, entries: dict[str, Entry], revision: int) -> JobView:
+        view = JobView(revision=revision)
+        self._next_parsed = {}
+        for key, entry in entries.items():
+            key = self._below_state + key
+            try:
+                self._place(view, key, entry)
+            except (ValidationError, ValueError, UnicodeDecodeError) as exc:
+                self._warn(key, entry, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+        self._parsed = self._next_parsed
+        return view
+
+    def _load(self, key: str, entry: Entry, model):
+        cached = self._parsed.get(key)
+        record = cached[1] if cached is not None and cached[0] == entry.mod_revision else model.loads(entry.value)
+        self._next_parsed[key] = (entry.mod_revision, record)
+        return record
+
+    def _warn(self, key: str, entry: Entry, why: str) -> None:
+        if (key, entry.mod_revision) in self._warned:
+            return
+        self._warned.add((key, entry.mod_revision))
+        logger.warning("ignoring malformed value under the job's prefix at %s%s (%s)", self.state_prefix, key, why)
+
+    def _place(self, view: JobView, key: str, entry: Entry) -> None:
+        raw = entry.value
+        head, _, rest = key.partition("/")
+        if key == "ctl/controller":
+            view.controller = raw.decode()
+        elif key == "ctl/round":
+            view.round, view.round_revision = load_round(raw), entry.mod_revision
+        elif key == "ctl/status":
+            view.status = JobStatus.loads(raw)
+        elif key.startswith("ctl/master/"):
+            view.masters[int(key.rsplit("/", 1)[1])] = MasterRecord.loads(raw)
+        elif key.startswith("ctl/rollcall/"):
+            view.rollcalls[int(key.rsplit("/", 1)[1])] = RollCall.loads(raw)
+        elif head == "nodes" and rest:
+            record = self._load(key, entry, NodeRecord)
+            if record.node != rest:
+                raise ValueError(f"record names node {record.node!r}")
+            view.nodes[rest] = record
+        elif head == "left" and rest:
+            view.left[rest] = self._load(key, entry, LeaveRecord)
+        elif head == "rounds":
+            number, kind, node = rest.split("/", 2)
+            if kind not in _ROUND_REPORT_KINDS or not node:
+                raise ValueError(f"unknown round report {kind!r}")
+            reports = view.reports.setdefault(int(number), RoundReports())
+            if kind == "failed":
+                reports.failed[node] = self._load(key, entry, NodeFailure)
+            elif kind == "ack":
+                reports.acked.add(node)
+            elif kind == "done":
+                reports.done.add(node)
+            elif kind == "alive":
+                reports.alive[node] = raw.decode()
+            else:
+                reports.lost[node] = raw.decode()
+        else:
+            raise ValueError("not a key of this protocol")

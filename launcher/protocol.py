@@ -1,0 +1,316 @@
+"""The rendezvous protocol: every etcd key of a job, who writes it, when, under which guard, and who removes it.
+
+Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the membership log under `events/`.
+
+| key (below the job prefix)        | value          | writer      | when                                 | guard                                   | removed by                                |
+|-----------------------------------|----------------|-------------|--------------------------------------|-----------------------------------------|-------------------------------------------|
+| state/nodes/<node>                | NodeRecord     | agent       | register (under its lease)           | key absent (or already ours: a retry)   | lease expiry or revoke; the agent leaving |
+| state/left/<node>                 | LeaveRecord    | agent       | SIGTERM/SIGINT, before workers stop  | none (the agent's own notice)           | controller, once it handled the leave     |
+| state/ctl/controller              | "<node>#<lease>"| agent      | claim (under its lease), held        | key absent (or already ours)            | lease expiry or revoke                    |
+| state/ctl/round                   | RoundRecord    | controller  | form a round                         | holds controller; round rev unchanged; no status | never (replaced by the next round) |
+| state/ctl/master/<round>          | MasterRecord   | group rank 0| before starting its workers          | round rev unchanged                     | controller, when the next round forms     |
+| state/ctl/rollcall/<round>        | RollCall       | controller  | workers failed while a member is silent | holds controller; round rev unchanged | controller, when the next round forms     |
+| state/ctl/status                  | JobStatus      | controller  | finish, fail                         | holds controller; round rev unchanged; no status | purge                             |
+| state/rounds/<round>/ack/<node>   | agent pid      | agent       | its workers started                  | round rev unchanged                     | controller, when the next round forms     |
+| state/rounds/<round>/done/<node>  | "0"            | agent       | its workers all exited 0             | round rev unchanged                     | controller, when the next round forms     |
+| state/rounds/<round>/failed/<node>| NodeFailure    | agent       | a worker exited non-zero             | round rev unchanged                     | controller, when the next round forms     |
+| state/rounds/<round>/alive/<node> | roll-call nonce| agent       | it saw the round's roll call         | round rev unchanged                     | controller, when the next round forms     |
+| state/rounds/<round>/lost/<node>  | reason         | controller  | a member's lease ended, or it was evicted | holds controller; marker absent    | controller, when the next round forms     |
+| events/<time_ns>-<author>-<seq>   | MembershipEvent| both        | in the same transaction as the change | that change's guard                    | controller keeps the newest `max_events`; purge |
+
+Agents watch only `state/ctl/` (a few small keys per round, whatever the job's size); the controller watches all
+of `state/`. Every write that may be retried carries a marker key unique to that attempt (its event, or its own
+value), so a retry whose first attempt committed, and only the reply was lost, recognises its own write.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from launcher import etcd_client
+from launcher.membership_log import MembershipEvent, new_event
+from launcher.records import JobStatus, LeaveRecord, MasterRecord, NodeFailure, NodeRecord, RollCall, RoundRecord
+
+logger = logging.getLogger(__name__)
+
+KEY_ROOT = "/elastic"
+_sequence = itertools.count()
+_WRITE_DEADLINE_S = 30.0
+
+
+class NodeIdTaken(Exception):
+    """Another live agent holds this node id in the job."""
+
+
+class JobKeys:
+    """Every key of one job, under /elastic/<rdzv-id>/, so two jobs on one etcd never see each other."""
+
+    def __init__(self, rdzv_id: str) -> None:
+        self.prefix = f"{KEY_ROOT}/{rdzv_id}/"
+        self.state = self.prefix + "state/"
+        self.ctl = self.state + "ctl/"
+        self.events = self.prefix + "events/"
+        self.nodes = self.state + "nodes/"
+        self.left_prefix = self.state + "left/"
+        self.controller = self.ctl + "controller"
+        self.round = self.ctl + "round"
+        self.status = self.ctl + "status"
+        self.masters = self.ctl + "master/"
+        self.rollcalls = self.ctl + "rollcall/"
+        self.rounds = self.state + "rounds/"
+
+    def node(self, node: str) -> str:
+        return self.nodes + node
+
+    def left(self, node: str) -> str:
+        return self.left_prefix + node
+
+    def master(self, round_: int) -> str:
+        return f"{self.masters}{round_:010d}"
+
+    def rollcall(self, round_: int) -> str:
+        return f"{self.rollcalls}{round_:010d}"
+
+    def round_prefix(self, round_: int) -> str:
+        return f"{self.rounds}{round_:010d}/"
+
+    def report(self, round_: int, kind: str, node: str) -> str:
+        return f"{self.round_prefix(round_)}{kind}/{node}"
+
+    def new_event_key(self, author: str) -> str:
+        """Sorts by time; unique per writer and call, so an event put is its own idempotence marker."""
+        return f"{self.events}{time.time_ns():020d}-{author}-{next(_sequence):06d}"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds the controller key: a node id and the lease (incarnation) it holds it under."""
+
+    node: str
+    lease: int
+
+    def encode(self) -> str:
+        return f"{self.node}#{self.lease:x}"
+
+
+class JobStore:
+    """The named operations of the protocol on one job; the only code that builds etcd transactions for it."""
+
+    def __init__(self, client, rdzv_id: str) -> None:
+        self.client = client
+        self.keys = JobKeys(rdzv_id)
+        self._tx = client.transactions
+
+    # -- plumbing ------------------------------------------------------------------------------------------
+    def _commit(self, compare: list, success: list, marker: str, deadline_s: float = _WRITE_DEADLINE_S) -> bool:
+        """Run one guarded transaction, retrying transient errors; True if it (or an earlier attempt) committed.
+
+        `marker` is a key that `success` creates and nothing else does: when a retry finds its guard false,
+        the marker tells whether the reason is our own first attempt.
+        """
+
+        def attempt() -> bool:
+            won, responses = self.client.transaction(
+                compare=compare, success=success, failure=[self._tx.get(marker)]
+            )
+            return won or bool(responses and responses[0])
+
+        return etcd_client.call_with_retry(attempt, deadline_s=deadline_s)
+
+    def _event(self, event: MembershipEvent, author: str) -> tuple[str, object]:
+        key = self.keys.new_event_key(author)
+        return key, self._tx.put(key, event.dumps())
+
+    def _holds_controller(self, holder: Holder):
+        return self._tx.value(self.keys.controller) == holder.encode()
+
+    def _round_unchanged(self, round_revision: int):
+        if round_revision == 0:
+            return self._tx.version(self.keys.round) == 0
+        return self._tx.mod(self.keys.round) == round_revision
+
+    # -- agents --------------------------------------------------------------------------------------------
+    def grant_lease(self, ttl: int):
+        return etcd_client.call_with_retry(self.client.lease, ttl)
+
+    def register(self, record: NodeRecord) -> None:
+        """Join the job under `record.lease`; raises NodeIdTaken if another incarnation holds the id."""
+        key = self.keys.node(record.node)
+        value = record.dumps()
+        event_key, event_put = self._event(
+            new_event("node_joined", node=record.node, message=f"{record.addr}, {record.nproc} worker(s)"), record.node
+        )
+
+        def attempt() -> None:
+            won, responses = self.client.transaction(
+                compare=[self._tx.version(key) == 0],
+                success=[self._tx.put(key, value, lease=record.lease), event_put],
+                failure=[self._tx.get(key)],
+            )
+            if won:
+                return
+            found = responses[0] if responses else []
+            if found and found[0][0].decode() == value:
+                return  # our own first attempt committed; only its reply was lost
+            holder = NodeRecord.loads(found[0][0]) if found else None
+            raise NodeIdTaken(
+                f"node id {record.node!r} is already in job (pid {holder.pid if holder else '?'} at "
+                f"{holder.addr if holder else '?'}): pass a unique --node-id"
+            )
+
+        etcd_client.call_with_retry(attempt, deadline_s=_WRITE_DEADLINE_S)
+
+    def announce_leaving(self, node: str, incarnation: int, reason: str) -> None:
+        """Tell the controller we are leaving before our workers stop, so their peers' failures are not charged."""
+        record = LeaveRecord(node=node, incarnation=incarnation, reason=reason)
+        etcd_client.call_with_retry(self.client.put, self.keys.left(node), record.dumps(), deadline_s=5)
+
+    def leave(self, record: NodeRecord, round_: int | None, reason: str) -> None:
+        """Our workers have exited: log node_left and drop our registration in one step, then end the lease."""
+        event_key, event_put = self._event(new_event("node_left", node=record.node, round=round_, reason=reason),
+                                           record.node)  # fmt: skip
+        key = self.keys.node(record.node)
+        self._commit(
+            compare=[self._tx.value(key) == record.dumps()],
+            success=[event_put, self._tx.delete(key)],
+            marker=event_key,
+            deadline_s=5,
+        )
+        self.revoke(record.lease)
+
+    def revoke(self, lease_id: int) -> None:
+        """End a lease now; a lease that is already gone is fine."""
+        try:
+            etcd_client.call_with_retry(self.client.revoke_lease, lease_id, deadline_s=5)
+        except Exception as exc:
+            if etcd_client.is_transient(exc):
+                raise
+            logger.debug("lease %x already gone: %s", lease_id, exc)
+
+    def claim_controller(self, holder: Holder) -> bool:
+        """Become the job's controller if nobody is; the key lives and dies with the claimant's lease."""
+        key, value = self.keys.controller, holder.encode()
+
+        def attempt() -> bool:
+            won, responses = self.client.transaction(
+                compare=[self._tx.version(key) == 0],
+                success=[self._tx.put(key, value, lease=holder.lease)],
+                failure=[self._tx.get(key)],
+            )
+            found = responses[0] if responses and not won else []
+            return won or bool(found and found[0][0].decode() == value)
+
+        return etcd_client.call_with_retry(attempt, deadline_s=5)
+
+    def publish_master(self, round_: int, round_revision: int, master: MasterRecord) -> bool:
+        key = self.keys.master(round_)
+        return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, master.dumps())], key)
+
+    def acknowledge(self, round_: int, round_revision: int, node: str, pid: int) -> bool:
+        key = self.keys.report(round_, "ack", node)
+        return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, str(pid))], key)
+
+    def report_done(self, round_: int, round_revision: int, node: str) -> bool:
+        key = self.keys.report(round_, "done", node)
+        return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, "0")], key)
+
+    def report_failed(self, round_revision: int, report: NodeFailure) -> bool:
+        """Workers failed: the report and one worker_failed event each, only while the round is still current."""
+        key = self.keys.report(report.round, "failed", report.node)
+        events = [
+            self._event(
+                new_event("worker_failed", round=report.round, node=report.node, local_rank=f.local_rank, rank=f.rank,
+                          exit_code=f.exit_code, message=f.message or None),
+                report.node,
+            )[1]
+            for f in report.failures
+        ]  # fmt: skip
+        return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, report.dumps()), *events], key)
+
+    def answer_rollcall(self, round_: int, round_revision: int, node: str, nonce: str) -> bool:
+        key = self.keys.report(round_, "alive", node)
+        return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, nonce)], key)
+
+    # -- the controller ------------------------------------------------------------------------------------
+    def form_round(self, holder: Holder, round_revision: int, record: RoundRecord, events: list[MembershipEvent],
+                   handled_left: list[str]) -> bool:  # fmt: skip
+        """Write round `record.round` and its events; drop earlier rounds' reports and the leaves it handled."""
+        number = record.round
+        puts = [self._event(e, holder.node) for e in events]
+        ops = [
+            self._tx.put(self.keys.round, record.dumps()),
+            # what belonged to earlier rounds goes with them: nothing stale reaches a new round
+            self._tx.delete(self.keys.rounds, range_end=self.keys.round_prefix(number)),
+            self._tx.delete(self.keys.masters, range_end=self.keys.master(number)),
+            self._tx.delete(self.keys.rollcalls, range_end=self.keys.rollcall(number)),
+            *(self._tx.delete(self.keys.left(node)) for node in handled_left),
+            *(put for _, put in puts),
+        ]
+        compare = [self._holds_controller(holder), self._round_unchanged(round_revision),
+                   self._tx.version(self.keys.status) == 0]  # fmt: skip
+        return self._commit(compare, ops, marker=puts[-1][0])
+
+    def call_rollcall(self, holder: Holder, round_: int, round_revision: int) -> bool:
+        key = self.keys.rollcall(round_)
+        call = RollCall(round=round_, nonce=uuid.uuid4().hex[:12])
+        compare = [self._holds_controller(holder), self._round_unchanged(round_revision)]
+        return self._commit(compare, [self._tx.put(key, call.dumps())], key)
+
+    def mark_lost(self, holder: Holder, round_: int, node: str, reason: str) -> bool:
+        """Record `node` as lost in `round_`, once: its marker and its node_lost event in one transaction."""
+        key = self.keys.report(round_, "lost", node)
+        _, event_put = self._event(new_event("node_lost", round=round_, node=node, reason=reason), holder.node)
+        compare = [self._holds_controller(holder), self._tx.version(key) == 0]
+        return self._commit(compare, [self._tx.put(key, reason), event_put], key)
+
+    def forget_left(self, holder: Holder, nodes: list[str]) -> None:
+        """Drop leave notices of nodes that are gone and belong to no round."""
+        ops = [self._tx.delete(self.keys.left(node)) for node in nodes]
+        etcd_client.call_with_retry(self.client.transaction, compare=[self._holds_controller(holder)], success=ops,
+                                    failure=[])  # fmt: skip
+
+    def end_job(self, holder: Holder, round_revision: int, status: JobStatus, event: MembershipEvent) -> bool:
+        compare = [self._holds_controller(holder), self._round_unchanged(round_revision),
+                   self._tx.version(self.keys.status) == 0]  # fmt: skip
+        event_key, event_put = self._event(event, holder.node)
+        ops = [self._tx.put(self.keys.status, status.dumps()), event_put,
+               self._tx.delete(self.keys.left_prefix, range_end=_prefix_end(self.keys.left_prefix))]  # fmt: skip
+        return self._commit(compare, ops, marker=event_key)
+
+    def trim_events(self, keep: int) -> int:
+        """Delete all but the newest `keep` events in etcd; returns how many went."""
+        count = self.client.get_prefix_response(self.keys.events, count_only=True).count
+        excess = count - keep
+        if excess <= 0:
+            return 0
+        oldest = self.client.get_prefix_response(self.keys.events, keys_only=True, limit=excess, sort_order="ascend",
+                                                 sort_target="key")  # fmt: skip
+        last = oldest.kvs[-1].key.decode()
+        self.client.transaction(compare=[], success=[self._tx.delete(self.keys.events, range_end=last + "\0")],
+                                failure=[])  # fmt: skip
+        return excess
+
+    # -- whole job -------------------------------------------------------------------------------------------
+    def read_status(self) -> JobStatus | None:
+        raw, _ = etcd_client.call_with_retry(self.client.get, self.keys.status)
+        return JobStatus.loads(raw) if raw is not None else None
+
+    def live_nodes(self) -> int:
+        return self.client.get_prefix_response(self.keys.nodes, count_only=True).count
+
+    def key_count(self) -> int:
+        return self.client.get_prefix_response(self.keys.prefix, count_only=True).count
+
+    def purge(self) -> int:
+        """Delete every key of the job; returns how many there were."""
+        count = self.key_count()
+        self.client.delete_prefix(self.keys.prefix)
+        return count
+
+
+def _prefix_end(prefix: str) -> str:
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)

@@ -1,0 +1,159 @@
+"""A local copy of one etcd key range, kept current by a watch that resumes from the last revision it saw.
+
+One range read at start, then only the changes: an idle range costs etcd nothing. When the watch stream
+breaks (etcd restarted, a network blip) it is re-created from the revision after the last one applied, so
+no change is missed; if etcd compacted that history away, the range is read again whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from launcher import etcd_client
+
+logger = logging.getLogger(__name__)
+
+_RESUME_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class Entry:
+    value: bytes
+    mod_revision: int
+
+
+class RangeMirror:
+    """Every key under `prefix` with its value and mod revision; `wait` returns when something changed."""
+
+    def __init__(self, client, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.revision = 0  # the newest etcd revision applied
+        self.connected = False
+        self._entries: dict[str, Entry] = {}
+        self._version = 0  # bumped on every change, so a reader knows whether to look again
+        # Protects _entries, revision, connected and _version; re-entrant so a signal handler may poke().
+        self._changed = threading.Condition(threading.RLock())
+        self._watch_id = None
+        self._resuming = False
+        self._closed = False
+
+    def start(self, deadline_s: float = 30.0) -> "RangeMirror":
+        etcd_client.call_with_retry(self._load_and_watch, deadline_s=deadline_s)
+        return self
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            watch_id, self._watch_id = self._watch_id, None
+            self._changed.notify_all()
+        if watch_id is not None:
+            try:
+                self.client.cancel_watch(watch_id)
+            except Exception as exc:  # the stream may already be gone; nothing is left to cancel then
+                logger.debug("cancelling watch on %s: %s", self.prefix, exc)
+
+    def snapshot(self) -> tuple[dict[str, Entry], int, int]:
+        """(entries by key relative to the prefix, revision, version), consistent with each other."""
+        with self._changed:
+            return dict(self._entries), self.revision, self._version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def wait(self, seen_version: int, timeout: float | None) -> int:
+        """Block until the version moves past `seen_version` or `timeout` passes; returns the version."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != seen_version or self._closed, timeout)
+            return self._version
+
+    def poke(self) -> None:
+        """Wake every waiter without a change (a signal arrived, a local deadline moved)."""
+        with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+
+    # -- etcd side -------------------------------------------------------------------------------------------
+    def _load_and_watch(self) -> None:
+        response = self.client.get_prefix_response(self.prefix)
+        entries = {
+            kv.key.decode()[len(self.prefix) :]: Entry(kv.value, kv.mod_revision) for kv in response.kvs
+        }
+        with self._changed:
+            self._entries, self.revision = entries, response.header.revision
+            self._bump()
+        self._watch()
+
+    def _watch(self) -> None:
+        watch_id = self.client.add_watch_prefix_callback(
+            self.prefix, self._on_response, start_revision=self.revision + 1
+        )
+        with self._changed:
+            if self._closed:
+                closed_meanwhile = True
+            else:
+                closed_meanwhile = False
+                self._watch_id, self.connected = watch_id, True
+                self._bump()
+        if closed_meanwhile:
+            self.client.cancel_watch(watch_id)
+
+    def _on_response(self, response) -> None:
+        """Runs on the client's watch thread: apply the changes, or start resuming after an error."""
+        if isinstance(response, Exception):
+            self._lost_stream(response)
+            return
+        with self._changed:
+            for event in response.events:
+                key = event.key.decode()[len(self.prefix) :]
+                if event.mod_revision <= self.revision:
+                    continue  # already applied: a resumed watch may repeat what a reload read
+                if isinstance(event, etcd_client.DeleteEvent):
+                    self._entries.pop(key, None)
+                else:
+                    self._entries[key] = Entry(event.value, event.mod_revision)
+            self.revision = max(self.revision, response.header.revision)
+            self._bump()
+
+    def _bump(self) -> None:
+        self._version += 1
+        self._changed.notify_all()
+
+    def _lost_stream(self, error: Exception) -> None:
+        with self._changed:
+            if self._closed or self._resuming:
+                return
+            self.connected, self._watch_id, self._resuming = False, None, True
+            self._bump()
+        logger.debug("watch on %s broke (%s); resuming after revision %d", self.prefix, error, self.revision)
+        threading.Thread(target=self._resume, name="watch-resume", daemon=True).start()
+
+    def _resume(self) -> None:
+        attempt = 0
+        while True:
+            with self._changed:
+                if self._closed:
+                    self._resuming = False
+                    return
+            try:
+                self._watch()
+                break
+            except etcd_client.RevisionCompacted:
+                logger.info("etcd compacted the history of %s; reading it again", self.prefix)
+                try:
+                    self._load_and_watch()
+                    break
+                except Exception as exc:
+                    logger.debug("reloading %s failed: %s", self.prefix, exc)
+            except Exception as exc:
+                logger.debug("resuming the watch on %s failed: %s", self.prefix, exc)
+            delay = _RESUME_BACKOFF_S[min(attempt, len(_RESUME_BACKOFF_S) - 1)]
+            attempt += 1
+            with self._changed:
+                self._changed.wait_for(lambda: self._closed, delay)
+        with self._changed:
+            self._resuming = False
+        logger.debug("watch on %s resumed after revision %d", self.prefix, self.revision)

@@ -1,0 +1,231 @@
+"""The controller's rules as tables: hand-built job views, a hand-set clock, no etcd and no sleeping."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from launcher.decisions import (
+    CallRollCall,
+    Clock,
+    EndJob,
+    ForgetLeft,
+    FormRound,
+    MarkLost,
+    RoundReason,
+    Settings,
+    Wait,
+    assign_ranks,
+    decide,
+    track,
+)
+from launcher.job_view import JobView, RoundReports
+from launcher.records import JobStatus, LeaveRecord, NodeFailure, NodeRecord, RollCall, RoundRecord, WorkerFailure
+
+pytestmark = pytest.mark.timeout(30)
+
+SETTINGS = Settings(rdzv_id="job", min_nodes=2, max_nodes=3, max_restarts=1, join_timeout=60, last_call_timeout=5,
+                    close_timeout=30)  # fmt: skip
+T0 = 1000.0  # the controller started leading at T0
+
+
+def node(name: str, lease: int = 1, joined_at: float = 0.0) -> NodeRecord:
+    return NodeRecord(node=name, addr="10.0.0.1", nproc=2, lease=lease, pid=1, joined_at=joined_at or ord(name[0]))
+
+
+def view(*names: str, round_of: tuple[str, ...] | None = None, number: int = 0, restarts: int = 0,
+         **reports) -> JobView:  # fmt: skip
+    """Nodes `names` registered (lease 1); a round `number` of `round_of` (lease 1) with `reports` about it."""
+    nodes = {n: node(n) for n in names}
+    result = JobView(nodes=nodes)
+    if round_of is not None:
+        members = assign_ranks(None, {n: node(n) for n in round_of}, 99)
+        result.round = RoundRecord.of(number, members, restarts, "initial")
+        result.round_revision = 10
+        result.reports[number] = RoundReports(**reports)
+    return result
+
+
+def failure(name: str, number: int = 0, at: float = 1.0) -> NodeFailure:
+    worker = WorkerFailure(node=name, round=number, local_rank=0, rank=0, exit_code=1, time=at)
+    return NodeFailure(node=name, round=number, failures=[worker])
+
+
+def settle(job: JobView, now: float, clock: Clock | None = None, settings: Settings = SETTINGS):
+    """The decision at `now` after the controller watched the job from T0 (its clock stamped at `since`)."""
+    clock = track(job, clock or Clock(leading_since=T0), now, settings)
+    return decide(job, clock, now, settings), clock
+
+
+def at(job: JobView, since: float, now: float, settings: Settings = SETTINGS):
+    """The decision at `now` when the conditions of `job` have held since `since`."""
+    _, clock = settle(job, since, settings=settings)
+    return decide(job, track(job, clock, now, settings), now, settings)
+
+
+# -- the first round -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "names, since, now, expected",
+    [
+        (("a",), T0, T0 + 1, Wait),  # fewer than MIN: wait for join_timeout
+        (("a",), T0, T0 + 60, EndJob),  # ... and past it the job fails
+        (("a", "b"), T0, T0 + 4.9, Wait),  # MIN present: last call
+        (("a", "b"), T0, T0 + 5, FormRound),  # last call over
+        (("a", "b", "c"), T0, T0, FormRound),  # MAX present: at once
+    ],
+)
+def test_first_round_waits_for_quorum_then_last_call(names, since, now, expected):
+    decision = at(view(*names), since, now)
+    assert type(decision) is expected
+    if expected is FormRound:
+        assert (decision.number, decision.reason, decision.restart_count) == (0, RoundReason.INITIAL, 0)
+        assert [m.node for m in decision.members] == sorted(names)
+    if expected is EndJob:
+        assert not decision.finished and "rendezvous timed out: 1 of at least 2" in decision.summary
+    if expected is Wait:
+        assert decision.until in (T0 + 60, T0 + 5)
+
+
+def test_last_call_counts_from_when_min_nodes_were_first_present():
+    _, clock = settle(view("a"), T0)
+    _, clock = settle(view("a", "b"), T0 + 10, clock)
+    assert isinstance(decide(view("a", "b"), clock, T0 + 14, SETTINGS), Wait)
+    assert isinstance(decide(view("a", "b"), clock, T0 + 15, SETTINGS), FormRound)
+
+
+def test_nodes_beyond_max_wait_as_spares():
+    decision = at(view("a", "b", "c", "d"), T0, T0)
+    assert [m.node for m in decision.members] == ["a", "b", "c"]
+
+
+# -- a running round -------------------------------------------------------------------------------------------
+def test_a_running_round_with_every_member_started_waits_for_a_change():
+    decision = at(view("a", "b", round_of=("a", "b"), acked={"a", "b"}), T0, T0 + 1000)
+    assert decision == Wait(None, "round running")
+
+
+def test_scale_up_after_last_call_or_at_once_when_max_is_reached():
+    running = dict(round_of=("a", "b"), acked={"a", "b"})
+    four_node_max = dataclasses.replace(SETTINGS, max_nodes=4)
+    assert isinstance(at(view("a", "b", "c", **running), T0, T0 + 4, four_node_max), Wait)
+    grown = at(view("a", "b", "c", **running), T0, T0 + 5, four_node_max)
+    assert (type(grown), grown.reason, grown.number) == (FormRound, RoundReason.SCALE_UP, 1)
+    assert [m.node for m in grown.members] == ["a", "b", "c"]
+    assert type(at(view("a", "b", "c", **running), T0, T0)) is FormRound, "MAX reached: no last call"
+    two_node_max = dataclasses.replace(SETTINGS, max_nodes=2)
+    assert isinstance(at(view("a", "b", "c", **running), T0, T0 + 100, two_node_max), Wait), "full: c is a spare"
+
+
+def test_members_that_never_start_the_round_are_evicted_after_close_timeout():
+    job = view("a", "b", round_of=("a", "b"), acked={"a"})
+    assert isinstance(at(job, T0, T0 + 29), Wait)
+    decision = at(job, T0, T0 + 30)
+    assert decision == MarkLost({"b": "did not start round 0 within close_timeout=30s"}, {"b": 1})
+
+
+def test_every_member_done_finishes_the_job():
+    decision = at(view("a", "b", round_of=("a", "b"), acked={"a", "b"}, done={"a", "b"}), T0, T0)
+    assert decision == EndJob(True, "job job finished")
+
+
+def test_a_finished_job_decides_nothing():
+    job = view("a", "b", round_of=("a", "b"))
+    job.status = JobStatus(state="finished")
+    assert at(job, T0, T0 + 1000) == Wait(None, "the job is over")
+
+
+# -- lost versus failed ----------------------------------------------------------------------------------------
+def test_a_member_whose_lease_ended_is_marked_lost_then_a_round_forms_without_charge():
+    job = view("a", "b", round_of=("a", "b", "c"), restarts=1, acked={"a", "b", "c"}, failed={"a": failure("a")})
+    assert at(job, T0, T0) == MarkLost({"c": "lease expired"})
+    job.reports[0].lost["c"] = "lease expired"
+    decision = at(job, T0, T0)
+    assert (type(decision), decision.reason, decision.restart_count) == (FormRound, RoundReason.NODE_LOST, 1)
+    assert [m.node for m in decision.members] == ["a", "b"]
+
+
+def test_failures_while_a_member_is_silent_call_the_roll_and_wait_without_a_timer_guess():
+    job = view("a", "b", round_of=("a", "b"), acked={"a", "b"}, failed={"a": failure("a")})
+    assert at(job, T0, T0) == CallRollCall(0)
+    job.rollcalls[0] = RollCall(round=0, nonce="n1")
+    # b's etcd lease outlives b by far (a slow etcd): however long, the failure is not charged
+    assert isinstance(at(job, T0, T0 + 29), Wait)
+    del job.nodes["b"]  # the lease ended at last
+    assert at(job, T0, T0 + 29) == MarkLost({"b": "lease expired"})
+
+
+def test_a_silent_member_that_answers_the_roll_call_makes_it_a_worker_failure():
+    job = view("a", "b", round_of=("a", "b"), acked={"a", "b"}, failed={"a": failure("a")}, alive={"b": "n1"})
+    job.rollcalls[0] = RollCall(round=0, nonce="n1")
+    decision = at(job, T0, T0)
+    assert (type(decision), decision.reason, decision.restart_count) == (FormRound, RoundReason.WORKER_FAILED, 1)
+
+
+def test_an_answer_to_an_earlier_roll_call_does_not_count():
+    job = view("a", "b", round_of=("a", "b"), acked={"a", "b"}, failed={"a": failure("a")}, alive={"b": "old"})
+    job.rollcalls[0] = RollCall(round=0, nonce="n1")
+    assert isinstance(at(job, T0, T0), Wait)
+
+
+def test_a_member_that_never_answers_the_roll_call_is_evicted_as_lost_after_close_timeout():
+    job = view("a", "b", round_of=("a", "b"), acked={"a", "b"}, failed={"a": failure("a")})
+    job.rollcalls[0] = RollCall(round=0, nonce="n1")
+    decision = at(job, T0, T0 + 30)
+    assert decision == MarkLost({"b": "did not answer the roll call within close_timeout=30s"}, {"b": 1})
+
+
+def test_failures_past_max_restarts_end_the_job_with_the_earliest_as_root_cause():
+    failed = {"a": failure("a", 1, at=5.0), "b": failure("b", 1, at=2.0)}
+    decision = at(view("a", "b", round_of=("a", "b"), number=1, restarts=1, failed=failed), T0, T0)
+    assert type(decision) is EndJob and not decision.finished
+    assert decision.cause.node == "b"
+    assert decision.summary.startswith("job job failed after 1 restart(s): root cause node b, rank 0")
+
+
+def test_fewer_than_min_nodes_after_a_loss_fail_the_job_after_join_timeout():
+    job = view("a", round_of=("a", "b"), acked={"a", "b"}, lost={"b": "lease expired"})
+    assert isinstance(at(job, T0, T0 + 59), Wait)
+    decision = at(job, T0, T0 + 60)
+    assert type(decision) is EndJob and "only 1 node(s) left, fewer than MIN=2" in decision.summary
+
+
+# -- identity by incarnation -----------------------------------------------------------------------------------
+def test_a_node_registered_again_never_reenters_the_round_of_its_previous_incarnation():
+    job = view("a", "b", round_of=("a", "b"), acked={"a", "b"})
+    job.nodes["b"] = node("b", lease=2)
+    assert at(job, T0, T0) == MarkLost({"b": "registered again as a new incarnation"})
+    job.reports[0].lost["b"] = "registered again as a new incarnation"
+    decision = at(job, T0, T0)
+    assert (type(decision), decision.reason) == (FormRound, RoundReason.NODE_LOST)
+    assert [(m.node, m.incarnation) for m in decision.members] == [("a", 1), ("b", 2)]
+
+
+# -- leaving ---------------------------------------------------------------------------------------------------
+def test_a_leaving_member_holds_the_round_until_it_is_gone_and_its_peers_failures_are_not_charged():
+    job = view("a", "b", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"}, failed={"a": failure("a")})
+    job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
+    assert isinstance(at(job, T0, T0 + 29), Wait)
+    del job.nodes["b"]  # b's workers exited, it wrote node_left and dropped its registration
+    decision = at(job, T0, T0 + 29)
+    assert (type(decision), decision.reason, decision.restart_count) == (FormRound, RoundReason.NODE_LEFT, 0)
+    assert [m.node for m in decision.members] == ["a", "c"] and decision.handled_left == ["b"]
+
+
+def test_a_member_that_never_finishes_leaving_is_evicted():
+    job = view("a", "b", round_of=("a", "b"), acked={"a", "b"})
+    job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
+    assert at(job, T0, T0 + 30) == MarkLost({"b": "did not finish leaving within close_timeout=30s"}, {"b": 1})
+
+
+def test_leave_notices_of_gone_non_members_are_forgotten():
+    job = view("a", "b", round_of=("a", "b"), acked={"a", "b"})
+    job.left["spare"] = LeaveRecord(node="spare", incarnation=3, reason="agent received SIGTERM")
+    assert at(job, T0, T0) == ForgetLeft(["spare"])
+
+
+def test_a_leaving_spare_is_not_taken_into_a_round():
+    job = view("a", "b", "c")
+    job.left["c"] = LeaveRecord(node="c", incarnation=1, reason="agent received SIGINT")
+    decision = at(job, T0, T0 + 5)
+    assert [m.node for m in decision.members] == ["a", "b"]
