@@ -6,7 +6,9 @@
 
 Each runs examples/train.py with a shared checkpoint directory, prints the trainer's progress as it comes,
 then the job's membership log (`elastic-run log`) and what the sample log says about the resize: the
-step each world size resumed from and whether every step's samples were used exactly once.
+step each world size resumed from and whether every step's samples were used exactly once. If the job fails
+(a worker that cannot even import `elastic`, say), it stops as soon as its agents have exited, prints the
+failure summary and the membership log, and exits 1.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from launcher.etcd_server import EtcdServer  # noqa: E402
 from launcher.process_tree import child_pids  # noqa: E402
 
 RDZV_CONF = "last_call_timeout=3"
+# once one agent has failed, how long the others get to follow before the scenario stops waiting for them
+AGENT_EXIT_GRACE_S = 15.0
 GLOBAL_BATCH = 48
 
 
@@ -49,18 +53,56 @@ def steps_done(sample_log: Path) -> list[dict]:
     return [json.loads(line) for line in sample_log.read_text().splitlines() if line.strip()]
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
+class ScenarioStopped(Exception):
+    """The job ended, or never got where the scenario waits for it to be: nothing more is coming."""
+
+
+def wait_until(predicate, timeout: float, what: str, agents: list[subprocess.Popen]) -> None:
+    """Wait for `predicate`, but no longer than the agents live: a failed job ends with every agent exiting."""
     deadline = time.monotonic() + timeout
+    first_failure: float | None = None
     while not predicate():
+        codes = [agent.poll() for agent in agents]
+        if all(code is not None for code in codes):
+            raise ScenarioStopped(f"every agent exited (exit codes {codes}) before {what}")
+        # a failed job takes every agent down within moments; one that failed alone leaves the rest waiting
+        if first_failure is None and any(code not in (None, 0) for code in codes):
+            first_failure = time.monotonic()
+        if first_failure is not None and time.monotonic() - first_failure > AGENT_EXIT_GRACE_S:
+            raise ScenarioStopped(f"agents exited with {codes} (None: still running) before {what}")
         if time.monotonic() > deadline:
-            raise SystemExit(f"scenario: timed out waiting for {what}")
+            raise ScenarioStopped(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.5)
 
 
-def report(endpoint: str, sample_log: Path, global_batch: int) -> None:
+def print_failure(work: Path, agents: list[subprocess.Popen]) -> None:
+    """What the workers printed and the job's failure summary (`elastic-run: ...`), from the agents' stderr."""
+    worker_lines: list[str] = []
+    summaries: list[str] = []
+    for index in range(len(agents)):
+        lines = (work / f"node{index}.err").read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(lines) if line.startswith("elastic-run: ")]
+        end = starts[-1] if starts else len(lines)
+        # workers' stderr goes to their agent's; its own log lines start with "[elastic-run"
+        worker_lines += [line for line in lines[:end] if line.strip() and not line.startswith("[elastic-run")]
+        summary = "\n".join(lines[end : end + 30]) if starts else ""
+        if summary and summary not in summaries:
+            summaries.append(summary)
+    if worker_lines:
+        print("\n== the workers' stderr (last lines) ==")
+        print("\n".join(list(dict.fromkeys(worker_lines))[-15:]))
+    print("\n== job failure (elastic-run) ==")
+    print("\n".join(summaries) or f"no agent printed a summary; see {work}/node*.err", flush=True)
+
+
+def print_membership_log(endpoint: str) -> None:
     print("\n== membership log (elastic-run log) ==", flush=True)
     subprocess.run([sys.executable, "-m", "launcher.cli", "log", "--rdzv-endpoint", endpoint, "--rdzv-id", "scenario"],
-                   cwd=REPO, check=False)  # fmt: skip
+                   cwd=REPO, check=False, timeout=60)  # fmt: skip
+
+
+def report(endpoint: str, sample_log: Path, global_batch: int) -> None:
+    print_membership_log(endpoint)
     print("\n== training, from the sample log ==")
     latest: dict[int, tuple[int, list[int]]] = {}  # step -> (round, samples): a redone step counts once
     for record in steps_done(sample_log):
@@ -91,13 +133,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.scenario == "grow":
                 nodes += [start_node(etcd.endpoint, f"node{i}", "2:4", 4, work, train_args) for i in range(2)]
-                wait_until(lambda: any(r["world_size"] == 8 and r["step"] >= 15 for r in steps_done(sample_log)), 600, "8 workers to train")
+                wait_until(lambda: any(r["world_size"] == 8 and r["step"] >= 15 for r in steps_done(sample_log)), 600,
+                           "8 workers to train", nodes)  # fmt: skip
                 print("\n>>> two more nodes join the running job", flush=True)
                 nodes += [start_node(etcd.endpoint, f"node{i}", "2:4", 4, work, train_args) for i in range(2, 4)]
-                wait_until(lambda: any(r["world_size"] == 16 for r in steps_done(sample_log)), 600, "16 workers to train")
+                wait_until(lambda: any(r["world_size"] == 16 for r in steps_done(sample_log)), 600,
+                           "16 workers to train", nodes)  # fmt: skip
             else:
                 nodes += [start_node(etcd.endpoint, f"node{i}", "2:3", 2, work, train_args) for i in range(3)]
-                wait_until(lambda: any(r["world_size"] == 6 and r["step"] >= 15 for r in steps_done(sample_log)), 600, "6 workers to train")
+                wait_until(lambda: any(r["world_size"] == 6 and r["step"] >= 15 for r in steps_done(sample_log)), 600,
+                           "6 workers to train", nodes)  # fmt: skip
                 victim = nodes[2]
                 if args.scenario == "kill-node":
                     print(f"\n>>> SIGKILL node2 (agent pid {victim.pid}; its workers die with it)", flush=True)
@@ -110,9 +155,17 @@ def run(args: argparse.Namespace) -> int:
             survivors = nodes[:2] if args.scenario != "grow" else nodes
             codes = [node.wait(timeout=900) for node in survivors]
             print(f"\nagents exited with {codes}")
+            if any(code != 0 for code in codes):
+                print_failure(work, nodes)
             report(etcd.endpoint, sample_log, GLOBAL_BATCH)
             print(f"\nlogs, checkpoints and the sample log are in {work}")
             return 0 if all(code == 0 for code in codes) else 1
+        except ScenarioStopped as stopped:
+            print(f"\nscenario {args.scenario} stopped: {stopped}", flush=True)
+            print_failure(work, nodes)
+            print_membership_log(etcd.endpoint)
+            print(f"\nlogs are in {work}", flush=True)
+            return 1
         finally:
             for node in nodes:
                 for signum in (signal.SIGCONT, signal.SIGKILL):

@@ -35,10 +35,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
-from elastic.checkpoint import CheckpointManager, ModelState
-from elastic.rng import derive_seed, per_sample_dropout, sample_generator, seed_all
-from elastic.sampling import ElasticSampler, MicroBatch, SamplingConfig
-from elastic.schedule import GlobalStepLR, WarmupCosineConfig, warmup_cosine
+try:
+    from elastic.checkpoint import CheckpointManager, ModelState
+    from elastic.rng import derive_seed, per_sample_dropout, sample_generator, seed_all
+    from elastic.sampling import ElasticSampler, MicroBatch, SamplingConfig
+    from elastic.schedule import GlobalStepLR, WarmupCosineConfig, warmup_cosine
+except ImportError as exc:
+    # Run from a checkout that was never installed: one line that says what to do, not a traceback per worker.
+    # Anything else (a missing dependency of the library, a bug in it) keeps its full traceback.
+    if exc.name != "elastic" and not (exc.name or "").startswith("elastic."):
+        raise
+    sys.exit(f"train.py: cannot import the elastic library ({exc}); install the project: pip install -e . "
+             "(in the repository root)")  # fmt: skip
 
 logger = logging.getLogger("train")
 

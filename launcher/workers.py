@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO
 
 from launcher.config import LaunchConfig, Std
+from launcher.network import gloo_interface_env
 from launcher.process_tree import orphan_safe_command, stop_group
 from launcher.records import MasterRecord, Member, RoundRecord, WorkerFailure
 
@@ -49,6 +50,8 @@ def worker_env(config: LaunchConfig, round_: RoundRecord, member: Member, master
     )
     if member.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
+    # gloo would otherwise bind where the hostname resolves, often 127.0.x.1, which peers on other hosts cannot reach
+    env.update(gloo_interface_env(member.addr, os.environ))
     return env
 
 
