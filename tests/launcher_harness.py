@@ -96,6 +96,22 @@ class Cluster:
             return []
         return [json.loads(line) for line in self.probe_log.read_text().splitlines() if line.strip()]
 
+    def log(self, rdzv_id: str = "job") -> list[dict]:
+        """The job's membership log as etcd holds it now; an agent's membership.jsonl is complete once it exits
+        (the controller's is kept current while the job runs)."""
+        from launcher import etcd_client
+        from launcher.membership_log import read_events
+        from launcher.protocol import JobKeys
+
+        client = etcd_client.connect(self.endpoint)
+        try:
+            return [json.loads(e.dumps()) for e in read_events(client, JobKeys(rdzv_id).events)]
+        finally:
+            client.close()
+
+    def events(self, name: str, rdzv_id: str = "job") -> list[dict]:
+        return [e for e in self.log(rdzv_id) if e["event"] == name]
+
     def wait_for(self, predicate, timeout: float, what: str):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

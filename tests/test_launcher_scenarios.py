@@ -30,7 +30,7 @@ def test_unmodified_torchrun_script_gets_torchruns_environment(cluster, tmp_path
 
     records = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in out.glob("rank*.json")}
     assert sorted(records) == [0, 1, 2, 3]
-    round_ = events(agents[0], "round_started")[0]
+    round_ = cluster.events("round_started")[0]
     for rank, env in records.items():
         member = next(m for m in round_["members"] if m["first_rank"] <= rank <= m["last_rank"])
         local_rank = rank - member["first_rank"]
@@ -100,13 +100,13 @@ def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster):
     for agent in agents[:2]:
         assert agent.wait(timeout=90) == 0, cluster.dump()
 
-    log = agents[0].membership()
+    log = cluster.log()
     lost = [e for e in log if e["event"] == "node_lost"]
     assert [e["node"] for e in lost] == ["c"] and lost[0]["reason"] == "lease expired"
-    last_round = events(agents[0], "round_started")[-1]
+    last_round = cluster.events("round_started")[-1]
     assert last_round["world_size"] == 4 and last_round["reason"] == "node_lost"
     assert sorted(m["node"] for m in last_round["members"]) == ["a", "b"]
-    assert not events(agents[0], "restart"), "losing a node is a membership change, not a counted restart"
+    assert not cluster.events("restart"), "losing a node is a membership change, not a counted restart"
     assert log[-1]["event"] == "job_finished"
 
 
@@ -124,9 +124,9 @@ def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster):
     for agent in agents[:2]:
         assert agent.wait(timeout=90) == 0, cluster.dump()
 
-    assert [e["node"] for e in events(agents[0], "node_lost")] == ["c"]
-    assert events(agents[0], "round_started")[-1]["world_size"] == 4
-    assert events(agents[0], "job_finished")
+    assert [e["node"] for e in cluster.events("node_lost")] == ["c"]
+    assert cluster.events("round_started")[-1]["world_size"] == 4
+    assert cluster.events("job_finished")
 
 
 def test_node_added_mid_run_joins_a_six_worker_round(cluster):
@@ -136,16 +136,16 @@ def test_node_added_mid_run_joins_a_six_worker_round(cluster):
     joiner = cluster.start("c", probe, nnodes="2:3")
     cluster.wait_for_world(6, timeout=60)
 
-    log = first[0].membership() or cluster.wait_for(first[0].membership, 5, "the membership log")
-    cluster.wait_for(lambda: events(first[0], "round_started")[-1:] and
-                     events(first[0], "round_started")[-1]["world_size"] == 6, 10, "the log to show the round")  # fmt: skip
-    joined = next(e for e in events(first[0], "node_joined") if e["node"] == "c")
-    grown = events(first[0], "round_started")[-1]
+    log = cluster.wait_for(cluster.log, 5, "the membership log")
+    cluster.wait_for(lambda: cluster.events("round_started")[-1:] and
+                     cluster.events("round_started")[-1]["world_size"] == 6, 10, "the log to show the round")  # fmt: skip
+    joined = next(e for e in cluster.events("node_joined") if e["node"] == "c")
+    grown = cluster.events("round_started")[-1]
     assert grown["reason"] == "scale_up"
     assert sorted(m["node"] for m in grown["members"]) == ["a", "b", "c"]
-    # it forms within last_call_timeout (1 s here) of the join, plus the controller's polling
+    # it forms within last_call_timeout (1 s here) of the join, plus the time to start the joiner's agent
     assert grown["time"] - joined["time"] < 1 + 3
-    assert log and not events(first[0], "restart")
+    assert log and not cluster.events("restart")
     for agent in (*first, joiner):
         os.kill(agent.pid, signal.SIGTERM)
     for agent in (*first, joiner):
@@ -157,16 +157,16 @@ def test_spare_node_beyond_max_is_taken_in_when_a_member_is_lost(cluster):
     agents = [cluster.start(n, probe, nnodes="1:2", nproc=1) for n in ("a", "b")]
     cluster.wait_for_world(2, timeout=90)
     spare = cluster.start("c", probe, nnodes="1:2", nproc=1)
-    cluster.wait_for(lambda: any(e["node"] == "c" for e in events(agents[0], "node_joined")), 20, "c to join")
+    cluster.wait_for(lambda: any(e["node"] == "c" for e in cluster.events("node_joined")), 20, "c to join")
     time.sleep(2)  # longer than last_call_timeout: no round may form for a node beyond MAX
-    assert len(events(agents[0], "round_started")) == 1
+    assert len(cluster.events("round_started")) == 1
     assert "waiting as a spare" in spare.text()
 
     killed_at = time.time()
     os.kill(agents[1].pid, signal.SIGKILL)
     cluster.wait_for_world(2, timeout=60, after=killed_at + 0.5)
-    cluster.wait_for(lambda: events(agents[0], "round_started")[-1]["round"] >= 1, 10, "the log to show round 1")
-    last = events(agents[0], "round_started")[-1]
+    cluster.wait_for(lambda: cluster.events("round_started")[-1]["round"] >= 1, 10, "the log to show round 1")
+    last = cluster.events("round_started")[-1]
     assert sorted(m["node"] for m in last["members"]) == ["a", "c"]
     for agent in (agents[0], spare):
         os.kill(agent.pid, signal.SIGTERM)
@@ -184,10 +184,10 @@ def test_sigterm_to_an_agent_stops_its_workers_and_leaves_at_once(cluster):
     assert leaving.wait(timeout=20) == 128 + signal.SIGTERM
     assert not any(pid_alive(p) for p in workers)
     cluster.wait_for_world(2, timeout=60)
-    cluster.wait_for(lambda: events(agents[0], "node_left"), 10, "node_left in the log")
-    assert [e["node"] for e in events(agents[0], "node_left")] == ["c"]
-    assert not events(agents[0], "node_lost"), "a node that said goodbye is not 'lost'"
-    assert events(agents[0], "round_started")[-1]["reason"] == "node_left"
+    cluster.wait_for(lambda: cluster.events("node_left"), 10, "node_left in the log")
+    assert [e["node"] for e in cluster.events("node_left")] == ["c"]
+    assert not cluster.events("node_lost"), "a node that said goodbye is not 'lost'"
+    assert cluster.events("round_started")[-1]["reason"] == "node_left"
     for agent in agents[:2]:
         os.kill(agent.pid, signal.SIGTERM)
         agent.wait(timeout=30)
@@ -199,13 +199,13 @@ def test_max_restarts_exhausted_fails_every_agent_with_the_root_cause(cluster):
     codes = [agent.wait(timeout=120) for agent in agents]
     assert all(code != 0 for code in codes), cluster.dump()
 
-    failed = events(agents[0], "job_failed")
+    failed = cluster.events("job_failed")
     assert len(failed) == 1
     cause = failed[0]
     assert (cause["rank"], cause["exit_code"]) == (0, 1)
-    rank0_node = next(m["node"] for m in events(agents[0], "round_started")[-1]["members"] if m["first_rank"] == 0)
+    rank0_node = next(m["node"] for m in cluster.events("round_started")[-1]["members"] if m["first_rank"] == 0)
     assert cause["node"] == rank0_node
-    assert len(events(agents[0], "restart")) == 1
+    assert len(cluster.events("restart")) == 1
     for agent in agents:
         text = agent.text()
         assert "root cause node" in text and "rank 0" in text and "exit code 1" in text, text[-2000:]
