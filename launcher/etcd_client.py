@@ -116,6 +116,11 @@ def is_transient(exc: BaseException) -> bool:
     )
 
 
+def is_lease_gone(exc: BaseException) -> bool:
+    """etcd's answer to a write or revoke under a lease that has expired or was revoked."""
+    return isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() == grpc.StatusCode.NOT_FOUND
+
+
 def call_with_retry(fn: Callable[..., T], *args, deadline_s: float = 30.0, **kwargs) -> T:
     """Call `fn` until it succeeds, retrying transient etcd errors with backoff for up to `deadline_s`."""
     retrying = tenacity.Retrying(

@@ -187,7 +187,7 @@ class JobStore:
         try:
             etcd_client.call_with_retry(self.client.revoke_lease, lease_id, deadline_s=5)
         except Exception as exc:
-            if etcd_client.is_transient(exc):
+            if not etcd_client.is_lease_gone(exc):
                 raise
             logger.debug("lease %x already gone: %s", lease_id, exc)
 
@@ -204,7 +204,12 @@ class JobStore:
             found = responses[0] if responses and not won else []
             return won or bool(found and found[0][0].decode() == value)
 
-        return etcd_client.call_with_retry(attempt, deadline_s=5)
+        try:
+            return etcd_client.call_with_retry(attempt, deadline_s=5)
+        except Exception as exc:
+            if etcd_client.is_lease_gone(exc):
+                return False  # our lease ended meanwhile: the agent rejoins before it can lead
+            raise
 
     def publish_master(self, round_: int, round_revision: int, master: MasterRecord) -> bool:
         key = self.keys.master(round_)
