@@ -144,14 +144,20 @@ class Agent:
 
     def _join(self) -> None:
         """Register a new incarnation of this node under a fresh lease, kept alive from now on."""
-        lease = self.store.grant_lease(self.config.rdzv.lease_ttl)
-        record = NodeRecord(node=self.node_id, addr=self.addr, nproc=self.config.nproc_per_node, lease=lease.id,
-                            pid=os.getpid())  # fmt: skip
-        try:
-            self.store.register(record)
-        except NodeIdTaken as exc:
-            self.store.revoke(lease.id)
-            raise SystemExit(f"error: {exc}") from None
+        while True:
+            lease = self.store.grant_lease(self.config.rdzv.lease_ttl)
+            record = NodeRecord(node=self.node_id, addr=self.addr, nproc=self.config.nproc_per_node, lease=lease.id,
+                                pid=os.getpid())  # fmt: skip
+            try:
+                self.store.register(record)
+                break
+            except NodeIdTaken as exc:
+                self.store.revoke(lease.id)
+                raise SystemExit(f"error: {exc}") from None
+            except Exception as exc:
+                if not etcd_client.is_lease_gone(exc):
+                    raise
+                logger.warning("lease %x ended before registration (a stalled etcd); registering again", lease.id)
         self.lease, self.record = lease, record
         self.keeper = LeaseKeeper(lease, self.config.rdzv.keep_alive_interval, self.mirror.poke).start()
         logger.info("node %s (%s) joined job %s, lease %ds", self.node_id, self.addr, self.config.rdzv_id, lease.ttl)
