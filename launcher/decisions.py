@@ -270,11 +270,8 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
 
     leaving = [m for m in members if _leaving(view, m.node, m.incarnation)]
     if leaving:
-        deadline = clock.leaving_since + settings.close_timeout
-        if now >= deadline:
-            reason = f"did not finish leaving within close_timeout={settings.close_timeout:g}s"
-            return MarkLost({m.node: reason for m in leaving}, {m.node: m.incarnation for m in leaving})
-        return Wait(deadline, f"{', '.join(m.node for m in leaving)} leaving")
+        return _evict_after_close_timeout(leaving, clock.leaving_since, now, settings, "did not finish leaving",
+                                          f"{', '.join(m.node for m in leaving)} leaving")  # fmt: skip
 
     if reports.failed:
         silent = _silent(view)
@@ -284,11 +281,9 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
                 return CallRollCall(round_.round)
             unanswered = [m for m in silent if reports.alive.get(m.node) != rollcall.nonce]
             if unanswered:
-                deadline = clock.rollcall_since + settings.close_timeout
-                if now >= deadline:
-                    reason = f"did not answer the roll call within close_timeout={settings.close_timeout:g}s"
-                    return MarkLost({m.node: reason for m in unanswered}, {m.node: m.incarnation for m in unanswered})
-                return Wait(deadline, f"roll call: {len(unanswered)} member(s) have not answered")
+                return _evict_after_close_timeout(unanswered, clock.rollcall_since, now, settings,
+                                                  "did not answer the roll call",
+                                                  f"roll call: {len(unanswered)} member(s) have not answered")  # fmt: skip
         failures = [f for report in reports.failed.values() for f in report.failures]
         restarts = round_.restart_count + 1
         if restarts > settings.max_restarts:
@@ -302,11 +297,11 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
     deadlines = []
     unstarted = [m for m in members if m.node not in reports.acked and m.node not in reports.done]
     if unstarted:
-        deadline = clock.round_seen_at + settings.close_timeout
-        if now >= deadline:
-            reason = f"did not start round {round_.round} within close_timeout={settings.close_timeout:g}s"
-            return MarkLost({m.node: reason for m in unstarted}, {m.node: m.incarnation for m in unstarted})
-        deadlines.append(deadline)
+        decision = _evict_after_close_timeout(unstarted, clock.round_seen_at, now, settings,
+                                              f"did not start round {round_.round}", "members starting")  # fmt: skip
+        if isinstance(decision, MarkLost):
+            return decision
+        deadlines.append(decision.until)
 
     waiting = _waiting(view, eligible)
     if waiting and len(members) < settings.max_nodes:
@@ -315,6 +310,16 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
             return _form(view, eligible, RoundReason.SCALE_UP, round_.restart_count, settings)
         deadlines.append(deadline)
     return Wait(min(deadlines) if deadlines else None, "round running")
+
+
+def _evict_after_close_timeout(members: list[Member], since: float, now: float, settings: Settings, failed_to: str,
+                               waiting_for: str) -> MarkLost | Wait:  # fmt: skip
+    """Members that `failed_to` do something within close_timeout of `since` are evicted: lost, and fenced."""
+    deadline = since + settings.close_timeout
+    if now < deadline:
+        return Wait(deadline, waiting_for)
+    reason = f"{failed_to} within close_timeout={settings.close_timeout:g}s"
+    return MarkLost({m.node: reason for m in members}, {m.node: m.incarnation for m in members})
 
 
 def _form(view: JobView, eligible: dict[str, NodeRecord], reason: RoundReason, restart_count: int,

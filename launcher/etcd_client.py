@@ -95,6 +95,17 @@ _TRANSIENT_CODES = {
 _FAILED_ENDPOINT_TEXT = "Trying to use a failed node"
 
 
+def connect_reachable(spec: str) -> EtcdClient:
+    """A client for `spec` once an etcd answered there; raises ValueError (bad spec) or EtcdUnreachable."""
+    client = connect(spec)
+    try:
+        check_reachable(client, spec)
+    except EtcdUnreachable:
+        client.close()
+        raise
+    return client
+
+
 def is_transient(exc: BaseException) -> bool:
     """Errors that mean 'etcd did not answer this time', as opposed to a refused operation or a bad value.
 

@@ -57,8 +57,7 @@ def _from_etcd(args: argparse.Namespace) -> int:
         print("elastic-run log: error: --rdzv-id is required with --rdzv-endpoint", file=sys.stderr)
         return 2
     try:
-        client = etcd_client.connect(args.rdzv_endpoint)
-        etcd_client.check_reachable(client, args.rdzv_endpoint)
+        client = etcd_client.connect_reachable(args.rdzv_endpoint)
     except (ValueError, etcd_client.EtcdUnreachable) as exc:
         print(f"elastic-run log: error: {exc}", file=sys.stderr)
         return 1

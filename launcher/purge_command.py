@@ -22,8 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        client = etcd_client.connect(args.rdzv_endpoint)
-        etcd_client.check_reachable(client, args.rdzv_endpoint)
+        client = etcd_client.connect_reachable(args.rdzv_endpoint)
     except (ValueError, etcd_client.EtcdUnreachable) as exc:
         print(f"elastic-run purge: error: {exc}", file=sys.stderr)
         return 1
