@@ -38,6 +38,8 @@ class RendezvousSettings(BaseModel):
     last_call_timeout: float = Field(30.0, ge=0, description="extra wait for more nodes once MIN are present")
     close_timeout: float = Field(30.0, gt=0, description="how long members of a new round have to start it")
     max_events: int = Field(10000, ge=1, description="membership events etcd keeps per job (membership.jsonl keeps all)")
+    quarantine_after: int = Field(3, ge=0, description="consecutive failing rounds after which a node sits out (0: never)")
+    quarantine_cooldown: float = Field(300.0, ge=0, description="seconds a quarantined node is kept out of rounds")
 
     @property
     def lease_ttl(self) -> int:

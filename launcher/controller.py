@@ -45,6 +45,7 @@ def settings_from(config: LaunchConfig) -> Settings:
         rdzv_id=config.rdzv_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
         max_restarts=config.max_restarts, join_timeout=config.rdzv.join_timeout,
         last_call_timeout=config.rdzv.last_call_timeout, close_timeout=config.rdzv.close_timeout,
+        quarantine_after=config.rdzv.quarantine_after, quarantine_cooldown=config.rdzv.quarantine_cooldown,
     )  # fmt: skip
 
 
@@ -72,7 +73,8 @@ class Controller:
                 mirror.close()
 
     def _lead(self, mirror: RangeMirror, stop: threading.Event) -> None:
-        clock = Clock(leading_since=time.monotonic())
+        now = time.monotonic()
+        clock = Clock(leading_since=now, wall_offset=time.time() - now)
         while not stop.is_set():
             entries, revision, version = mirror.snapshot()
             view = self._parser.parse(entries, revision)
@@ -124,8 +126,17 @@ class Controller:
             self._end(decision, view)
 
     def _form(self, decision: FormRound, view: JobView) -> None:
-        record = RoundRecord.of(decision.number, decision.members, decision.restart_count, decision.reason.value)
+        record = RoundRecord.of(decision.number, decision.members, decision.restart_count, decision.reason.value,
+                                decision.strikes, decision.quarantined)  # fmt: skip
         events = []
+        for node in decision.newly_quarantined:
+            events.append(new_event(
+                "node_quarantined", round=decision.number, node=node, reason="caused the worker failure of "
+                f"{self.settings.quarantine_after} consecutive rounds",
+                message=f"kept out of rounds for {self.settings.quarantine_cooldown:g}s",
+            ))  # fmt: skip
+        events += [new_event("node_readmitted", round=decision.number, node=node, reason="quarantine over")
+                   for node in decision.readmitted]  # fmt: skip
         if decision.reason is RoundReason.WORKER_FAILED:
             events.append(new_event(
                 "restart", round=decision.number, restart_count=decision.restart_count, reason=decision.reason.value,

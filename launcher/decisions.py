@@ -19,6 +19,11 @@ through `launcher.protocol`. The rules, in the order they are tried:
 7. Every member reported success: the job finished.
 8. Members that did not start the round within `close_timeout` are evicted; nodes waiting outside a round
    that has room form a scale-up round once MAX are present or `last_call_timeout` passed.
+
+Quarantine: a node that caused the worker failure (the root cause) of `quarantine_after` consecutive rounds
+it took part in sits out the following rounds for `quarantine_cooldown` seconds, unless that would leave
+fewer than MIN nodes; when the cooldown ends it is readmitted like any waiting node (rule 8). Strikes and
+quarantines travel in the round record, so a new controller knows them.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class Settings:
     join_timeout: float
     last_call_timeout: float
     close_timeout: float
+    quarantine_after: int = 0  # 0: never
+    quarantine_cooldown: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class Clock:
     """When each condition the rules wait on was first seen (local monotonic seconds; None: it does not hold)."""
 
     leading_since: float
+    wall_offset: float = 0.0  # unix time minus monotonic time: quarantines are stored as unix times
     round: int | None = None  # the round the per-round times belong to
     round_seen_at: float | None = None
     quorum_since: float | None = None  # MIN nodes present, no round yet
@@ -80,6 +88,10 @@ class FormRound:
     reason: RoundReason
     restart_count: int
     handled_left: list[str] = field(default_factory=list)
+    strikes: dict[str, int] = field(default_factory=dict)
+    quarantined: dict[str, float] = field(default_factory=dict)  # node -> unix time its quarantine ends
+    newly_quarantined: list[str] = field(default_factory=list)
+    readmitted: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -155,9 +167,17 @@ def _leaving(view: JobView, node: str, incarnation: int) -> bool:
     return notice is not None and notice.incarnation == incarnation
 
 
-def _eligible(view: JobView) -> dict[str, NodeRecord]:
-    """Registered nodes that may join a round: every one but those on their way out."""
-    return {n: r for n, r in view.nodes.items() if not _leaving(view, n, r.lease)}
+def _quarantined(view: JobView, wall: float) -> dict[str, float]:
+    """Nodes kept out of rounds at unix time `wall`, with the time their quarantine ends."""
+    if view.round is None:
+        return {}
+    return {n: until for n, until in view.round.quarantined.items() if until > wall}
+
+
+def _eligible(view: JobView, wall: float) -> dict[str, NodeRecord]:
+    """Registered nodes that may join a round: every one but those on their way out or in quarantine."""
+    kept_out = _quarantined(view, wall)
+    return {n: r for n, r in view.nodes.items() if not _leaving(view, n, r.lease) and n not in kept_out}
 
 
 def _members(view: JobView) -> list[Member]:
@@ -188,7 +208,7 @@ def track(view: JobView, clock: Clock, now: float, settings: Settings) -> Clock:
     if number != clock.round:
         clock = Clock(leading_since=clock.leading_since, round=number, round_seen_at=now if number is not None else None,
                       quorum_since=clock.quorum_since, short_since=clock.short_since)  # fmt: skip
-    eligible = _eligible(view)
+    eligible = _eligible(view, now + clock.wall_offset)
     members = _members(view)
     gone = [m for m in members if not _alive(view, m)]
     leaving = [m for m in members if _alive(view, m) and _leaving(view, m.node, m.incarnation)]
@@ -228,14 +248,15 @@ def _stale_leave_notices(view: JobView) -> list[str]:
 
 
 def _first_round(view: JobView, clock: Clock, now: float, settings: Settings) -> Decision:
-    eligible = _eligible(view)
+    wall = now + clock.wall_offset
+    eligible = _eligible(view, wall)
     count = len(eligible)
     if count >= settings.max_nodes:
-        return _form(view, eligible, RoundReason.INITIAL, 0, settings)
+        return _form(view, eligible, RoundReason.INITIAL, 0, settings, wall)
     if count >= settings.min_nodes:
         deadline = clock.quorum_since + settings.last_call_timeout
         if now >= deadline:
-            return _form(view, eligible, RoundReason.INITIAL, 0, settings)
+            return _form(view, eligible, RoundReason.INITIAL, 0, settings, wall)
         return Wait(deadline, f"last call: {count} of up to {settings.max_nodes} node(s)")
     deadline = clock.leading_since + settings.join_timeout
     if now >= deadline:
@@ -246,7 +267,8 @@ def _first_round(view: JobView, clock: Clock, now: float, settings: Settings) ->
 
 def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) -> Decision:
     round_, reports = view.round, view.current()
-    eligible = _eligible(view)
+    wall = now + clock.wall_offset
+    eligible = _eligible(view, wall)
     members = round_.members
 
     gone = [m for m in members if not _alive(view, m)]
@@ -261,7 +283,7 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
         left = [m.node for m in gone if _leaving(view, m.node, m.incarnation)]
         reason = RoundReason.NODE_LEFT if len(left) == len(gone) else RoundReason.NODE_LOST
         if len(eligible) >= settings.min_nodes:
-            return _form(view, eligible, reason, round_.restart_count, settings, handled_left=left)
+            return _form(view, eligible, reason, round_.restart_count, settings, wall, handled_left=left)
         deadline = clock.short_since + settings.join_timeout
         if now >= deadline:
             return EndJob(False, f"only {len(eligible)} node(s) left, fewer than MIN={settings.min_nodes}, "
@@ -289,7 +311,7 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
         if restarts > settings.max_restarts:
             cause = root_cause(failures)
             return EndJob(False, failure_summary(settings.rdzv_id, round_.restart_count, cause), cause)
-        return _form(view, eligible, RoundReason.WORKER_FAILED, restarts, settings)
+        return _form(view, eligible, RoundReason.WORKER_FAILED, restarts, settings, wall, cause=root_cause(failures))
 
     if all(m.node in reports.done for m in members):
         return EndJob(True, f"job {settings.rdzv_id} finished")
@@ -307,8 +329,11 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
     if waiting and len(members) < settings.max_nodes:
         deadline = clock.joiner_since + settings.last_call_timeout
         if len(members) + len(waiting) >= settings.max_nodes or now >= deadline:
-            return _form(view, eligible, RoundReason.SCALE_UP, round_.restart_count, settings)
+            return _form(view, eligible, RoundReason.SCALE_UP, round_.restart_count, settings, wall)
         deadlines.append(deadline)
+    registered_out = [until for n, until in _quarantined(view, wall).items() if n in view.nodes]
+    if registered_out:
+        deadlines.append(min(registered_out) - clock.wall_offset)  # readmitted then, as a waiting node
     return Wait(min(deadlines) if deadlines else None, "round running")
 
 
@@ -323,7 +348,25 @@ def _evict_after_close_timeout(members: list[Member], since: float, now: float, 
 
 
 def _form(view: JobView, eligible: dict[str, NodeRecord], reason: RoundReason, restart_count: int,
-          settings: Settings, handled_left: list[str] = ()) -> FormRound:  # fmt: skip
-    number = view.round.round + 1 if view.round is not None else 0
-    members = assign_ranks(view.round, eligible, settings.max_nodes)
-    return FormRound(number, members, reason, restart_count, list(handled_left))
+          settings: Settings, wall: float, cause: WorkerFailure | None = None,
+          handled_left: list[str] = ()) -> FormRound:  # fmt: skip
+    """The next round of `eligible` nodes; the root `cause` of a worker failure takes a strike."""
+    previous = view.round
+    number = previous.round + 1 if previous is not None else 0
+    strikes, quarantined, newly = {}, _quarantined(view, wall), []
+    if previous is not None:
+        # a strike counts only consecutive rounds: taking part without causing the failure clears it
+        strikes = {n: k for n, k in previous.strikes.items() if n not in previous.nodes}
+        if cause is not None:
+            count = previous.strikes.get(cause.node, 0) + 1
+            enough_left = len(eligible) - 1 >= settings.min_nodes
+            if settings.quarantine_after and count >= settings.quarantine_after and enough_left:
+                quarantined[cause.node] = wall + settings.quarantine_cooldown
+                eligible = {n: r for n, r in eligible.items() if n != cause.node}
+                newly.append(cause.node)
+            else:
+                strikes[cause.node] = count
+    readmitted = sorted(set(previous.quarantined) - set(quarantined)) if previous is not None else []
+    members = assign_ranks(previous, eligible, settings.max_nodes)
+    return FormRound(number, members, reason, restart_count, list(handled_left), strikes, quarantined, newly,
+                     readmitted)  # fmt: skip

@@ -23,6 +23,8 @@ EventName = Literal[
     "restart",
     "job_finished",
     "job_failed",
+    "node_quarantined",
+    "node_readmitted",
 ]
 TERMINAL_EVENTS = {"job_finished", "job_failed"}
 logger = logging.getLogger(__name__)

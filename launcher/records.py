@@ -67,6 +67,10 @@ class RoundRecord(Record):
     restart_count: int = 0
     reason: str
     formed_at: float = Field(default_factory=time.time)
+    # node -> consecutive rounds it took part in whose worker failure it caused (only nodes with one or more)
+    strikes: dict[str, int] = {}
+    # node -> unix time until which it is kept out of rounds
+    quarantined: dict[str, float] = {}
 
     @model_validator(mode="after")
     def _columns_agree(self) -> "RoundRecord":
@@ -75,11 +79,12 @@ class RoundRecord(Record):
         return self
 
     @classmethod
-    def of(cls, round_: int, members: list[Member], restart_count: int, reason: str) -> "RoundRecord":
+    def of(cls, round_: int, members: list[Member], restart_count: int, reason: str,
+           strikes: dict[str, int] | None = None, quarantined: dict[str, float] | None = None) -> "RoundRecord":  # fmt: skip
         return cls(
             round=round_, nodes=[m.node for m in members], incarnations=[m.incarnation for m in members],
             nproc=[m.nproc for m in members], addrs=[m.addr for m in members], restart_count=restart_count,
-            reason=reason,
+            reason=reason, strikes=strikes or {}, quarantined=quarantined or {},
         )  # fmt: skip
 
     @property

@@ -26,7 +26,7 @@ from launcher.records import JobStatus, LeaveRecord, NodeFailure, NodeRecord, Ro
 pytestmark = pytest.mark.timeout(30)
 
 SETTINGS = Settings(rdzv_id="job", min_nodes=2, max_nodes=3, max_restarts=1, join_timeout=60, last_call_timeout=5,
-                    close_timeout=30)  # fmt: skip
+                    close_timeout=30, quarantine_after=3, quarantine_cooldown=300)  # fmt: skip
 T0 = 1000.0  # the controller started leading at T0
 
 
@@ -229,3 +229,43 @@ def test_a_leaving_spare_is_not_taken_into_a_round():
     job.left["c"] = LeaveRecord(node="c", incarnation=1, reason="agent received SIGINT")
     decision = at(job, T0, T0 + 5)
     assert [m.node for m in decision.members] == ["a", "b"]
+
+
+# -- quarantine ------------------------------------------------------------------------------------------------
+def strikes(job: JobView, counts: dict[str, int], quarantined: dict[str, float] | None = None) -> JobView:
+    job.round = job.round.model_copy(update={"strikes": counts, "quarantined": quarantined or {}})
+    return job
+
+
+def test_the_root_cause_of_three_consecutive_failures_sits_out_the_next_rounds():
+    failed = {"a": failure("a", at=5.0), "c": failure("c", at=2.0)}  # c failed first: the root cause
+    job = strikes(view("a", "b", "c", round_of=("a", "b", "c"), failed=failed, done={"b"}), {"c": 2, "b": 1})
+    decision = at(job, T0, T0 + 7, dataclasses.replace(SETTINGS, max_restarts=9))
+    assert (type(decision), decision.reason) == (FormRound, RoundReason.WORKER_FAILED)
+    assert [m.node for m in decision.members] == ["a", "b"]
+    assert decision.newly_quarantined == ["c"] and decision.quarantined == {"c": T0 + 7 + 300}
+    assert decision.strikes == {}, "b took part without causing the failure: its strike is cleared"
+
+
+def test_a_first_or_second_strike_only_counts():
+    failed = {"a": failure("a", at=5.0), "c": failure("c", at=2.0)}
+    job = strikes(view("a", "b", "c", round_of=("a", "b", "c"), failed=failed, done={"b"}), {"c": 1})
+    decision = at(job, T0, T0, dataclasses.replace(SETTINGS, max_restarts=9))
+    assert decision.strikes == {"c": 2} and not decision.newly_quarantined
+    assert [m.node for m in decision.members] == ["a", "b", "c"]
+
+
+def test_no_quarantine_that_would_leave_fewer_than_min_nodes():
+    job = strikes(view("a", "b", round_of=("a", "b"), failed={"b": failure("b")}, done={"a"}), {"b": 2})
+    decision = at(job, T0, T0, dataclasses.replace(SETTINGS, max_restarts=9))
+    assert [m.node for m in decision.members] == ["a", "b"] and decision.strikes == {"b": 3}
+
+
+def test_a_quarantined_node_is_readmitted_as_a_waiting_node_when_its_cooldown_ends():
+    job = strikes(view("a", "b", "c", round_of=("a", "b"), number=4, acked={"a", "b"}), {}, {"c": T0 + 100})
+    four_node_max = dataclasses.replace(SETTINGS, max_nodes=4)
+    assert at(job, T0, T0 + 99, four_node_max) == Wait(T0 + 100, "round running")
+    decision = at(job, T0 + 100, T0 + 105, four_node_max)
+    assert (type(decision), decision.reason) == (FormRound, RoundReason.SCALE_UP)
+    assert [m.node for m in decision.members] == ["a", "b", "c"] and decision.readmitted == ["c"]
+    assert decision.quarantined == {}
