@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing: `python bench/recovery_bench.py`
 
 from launcher.etcd_server import EtcdServer, free_port  # noqa: E402
+from launcher.process_tree import child_pids  # noqa: E402
 
 logger = logging.getLogger("recovery-bench")
 
@@ -341,7 +342,7 @@ def after_fault_note(job: Job, probe: ProbeLog, fault_time: float) -> str:
         if code is not None:
             parts.append(f"node{node} exited rc={code} ({last_exception(outputs[node])})")
         else:  # no workers under a live agent: it is waiting in a rendezvous, not in a collective
-            workers = len(process_tree(job.agents[node].pid)) - 1
+            workers = len(child_pids(job.agents[node].pid))  # workers, seen through their supervisors
             parts.append(f"node{node} agent alive with {workers} worker process(es)")
     if all(job.agent_output(n).stat().st_size == job.output_sizes_at_fault.get(n) for n in survivors):
         parts.append("survivors (agents and workers) printed nothing after the fault")

@@ -1,4 +1,23 @@
-"""Child processes that die with their parent, and stopping a whole process tree."""
+"""Child processes that die with their parent, and stopping a whole process tree.
+
+Workers run under a small supervisor (`supervised_command`), one per worker, so that nothing a worker starts
+outlives it, even a grandchild that left the worker's process group (setsid) or was orphaned (a double fork):
+
+    agent ─ supervisor (session + group leader, child subreaper) ─ worker ─ its children ...
+                                                                 └ orphans of the worker's tree (reparented)
+
+- The supervisor is a child subreaper, so every process orphaned anywhere below it is reparented to it and
+  `descendant_pids(supervisor)` finds the worker's whole tree, left process groups and double forks included.
+- It gets a catchable parent-death signal: when the agent dies, even by SIGKILL, it SIGKILLs its whole subtree
+  and exits. The worker itself gets SIGKILL as its parent-death signal, in case the supervisor is killed.
+- It shares its process group with the worker: a signal the agent sends to the group reaches the worker (and
+  whatever stayed in the group) exactly once; the supervisor itself ignores it.
+- When the worker exits, the supervisor SIGKILLs whatever the worker left behind, then exits with the worker's
+  status: the same exit code, or the same death signal re-raised, so `Popen.returncode` reads as the worker's.
+- `stop_group` signals each group, waits the grace period, then SIGKILLs the worker's tree below the supervisor
+  (which is still alive to adopt the orphans, so none escapes) before the group itself.
+- `child_pids` looks through supervisors, so callers that find an agent's workers get the worker processes.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
 # Runs in the child between fork and exec: ask the kernel to SIGKILL us when the parent dies (even by SIGKILL),
 # then become the real program. Doing it in a tiny exec'd shim avoids preexec_fn, which is unsafe with threads.
 _DIE_WITH_PARENT = (
@@ -18,12 +40,30 @@ _DIE_WITH_PARENT = (
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
+# The supervisor: a fresh interpreter (-I -S: no site, no PYTHON* variables) that imports only this module.
+_SUPERVISOR_MARK = "elastic-worker-supervisor"
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+_SUPERVISE = "import sys; sys.path.append(sys.argv[2]); from launcher.process_tree import _supervise; _supervise()"
+_PARENT_GONE_EXIT = 70  # the parent died before the worker could start
+_EXEC_FAILED_EXIT = 127  # as a shell reports a command it cannot run
+_STRAY_KILL_TIMEOUT_S = 10.0
+
 
 def orphan_safe_command(command: list[str]) -> list[str]:
-    """`command`, wrapped so that the process it becomes is killed when the calling process dies."""
+    """`command`, wrapped so that the process it becomes is killed when the calling process dies.
+
+    Only that process: what it starts is not covered (use `supervised_command` for a process tree)."""
     if not sys.platform.startswith("linux"):
         return command
     return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+
+
+def supervised_command(command: list[str]) -> list[str]:
+    """`command` under a supervisor: it and everything it starts die when the caller dies (even by SIGKILL) or
+    when it exits; the supervisor's exit status is the command's. Start it with start_new_session=True."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-I", "-S", "-c", _SUPERVISE, _SUPERVISOR_MARK, _PACKAGE_ROOT, str(os.getpid()), *command]
 
 
 def signal_group(process: subprocess.Popen, signum: int) -> None:
@@ -37,8 +77,10 @@ def signal_group(process: subprocess.Popen, signum: int) -> None:
 def stop_group(processes: list[subprocess.Popen], grace_s: float, first_signal: int = signal.SIGTERM) -> None:
     """Signal every process group, wait up to `grace_s` for them to exit, then SIGKILL what is left.
 
-    SIGKILL goes to the whole group even after its leader exited, so no grandchild (a DataLoader worker,
-    a compiler subprocess) outlives the worker. Workers stuck in a collective die here too.
+    SIGKILL goes to every descendant of a process that is still running (for a supervised worker: its whole tree,
+    setsid'd and orphaned grandchildren included, since they are reparented to the supervisor), then to the whole
+    group even after its leader exited, so no grandchild (a DataLoader worker, a compiler subprocess) outlives the
+    worker. Workers stuck in a collective die here too.
     """
     for process in processes:
         if process.poll() is None:
@@ -51,6 +93,14 @@ def stop_group(processes: list[subprocess.Popen], grace_s: float, first_signal: 
         except subprocess.TimeoutExpired:
             pass
     for process in processes:
+        if process.poll() is None:  # not reaped, so its pid is still its own
+            kill_descendants(process.pid)
+    for process in processes:
+        try:  # a supervisor exits right after its worker, with the worker's status
+            process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
+    for process in processes:
         signal_group(process, signal.SIGKILL)
         try:
             process.wait(timeout=5)
@@ -58,14 +108,200 @@ def stop_group(processes: list[subprocess.Popen], grace_s: float, first_signal: 
             pass
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid` (Linux /proc): how a caller finds the workers of an agent it started."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == pid:
-            found.append(int(stat.parent.name))
+# -- /proc ---------------------------------------------------------------------------------------------------
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]; None if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _living_processes(zombies: bool = False) -> dict[int, list[str]]:
+    """pid -> stat fields of every process that is not a zombie (or of every process, with `zombies`)."""
+    found = {}
+    if not os.path.isdir("/proc"):
+        return found
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = _stat_fields(entry.name)
+            if fields is not None and (zombies or fields[0] not in ("Z", "X")):
+                found[int(entry.name)] = fields
     return found
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every living descendant of `pid` (Linux /proc), parents before their children."""
+    children: dict[int, list[int]] = {}
+    for child, fields in _living_processes().items():
+        children.setdefault(int(fields[1]), []).append(child)
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, ())]
+        found += frontier
+    return found
+
+
+def kill_descendants(pid: int, timeout_s: float = _STRAY_KILL_TIMEOUT_S, reap: bool = False) -> None:
+    """SIGKILL every descendant of `pid`, again and again until none is left (a process that forked while we
+    looked leaves an orphan, found next time when `pid` is its subreaper). `reap`: `pid` is us, reap as we go."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if reap:
+            _reap_all()
+        pids = descendant_pids(pid)
+        if not pids or time.monotonic() > deadline:
+            return
+        for found in pids:
+            try:
+                os.kill(found, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.005)
+
+
+def _is_supervisor(pid: int) -> bool:
+    try:
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return _SUPERVISOR_MARK.encode() in arguments[:8]
+
+
+def child_pids(pid: int) -> list[int]:
+    """The workers of `pid` (Linux /proc): its direct children, where a supervisor (`supervised_command`) stands
+    for the worker it runs, its first child (or itself, before the worker started). How a caller finds the
+    workers of an agent it started."""
+    processes = _living_processes(zombies=True)
+    children: dict[int, list[int]] = {}
+    for child, fields in processes.items():
+        children.setdefault(int(fields[1]), []).append(child)
+    found = []
+    for child in children.get(pid, ()):
+        if _is_supervisor(child):
+            # orphans adopted by the supervisor are its children too; the worker is the one that started first
+            # (an exited worker not yet reaped included, so that no orphan is taken for it)
+            child = min(children.get(child, ()), key=lambda p: (int(processes[p][19]), p), default=child)  # starttime
+        found.append(child)
+    return found
+
+
+# -- the supervisor, run as `python -I -S -c _SUPERVISE MARK ROOT PARENT_PID COMMAND...` ----------------------
+
+
+class _ParentGone(Exception):
+    pass
+
+
+def _prctl(option: int, value: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}, {value})")
+
+
+def _reap_all() -> list[tuple[int, int]]:
+    reaped = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        reaped.append((pid, status))
+
+
+def _exit_like(status: int) -> None:
+    """Exit with the worker's wait status: its exit code, or its death signal raised against ourselves."""
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the worker dumped its core, if any; not us
+        except (ImportError, OSError, ValueError):
+            pass
+        if signum != signal.SIGKILL:
+            try:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+            except (OSError, ValueError):
+                pass
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)  # a signal that does not kill by default
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _supervise() -> None:
+    parent = int(sys.argv[3])
+    command = sys.argv[4:]
+    me = os.getpid()
+    parent_gone = []
+
+    def on_signal(signum, frame) -> None:
+        # the parent-death signal, or a signal the agent sent to the group (the worker got it too: ignored here)
+        if os.getpid() == me and not parent_gone and os.getppid() != parent:
+            parent_gone.append(signum)
+            raise _ParentGone
+
+    # what the worker would have inherited from the agent: an ignored signal (nohup's SIGHUP) stays ignored;
+    # SIGPIPE and SIGXFSZ are ignored by Python itself, Popen gave us their defaults
+    ignored = []
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            if signal.getsignal(signum) == signal.SIG_IGN and signum not in (signal.SIGPIPE, signal.SIGXFSZ):
+                ignored.append(signum)
+        except (OSError, ValueError):
+            continue
+        if signum in (signal.SIGCHLD, signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGWINCH,
+                      signal.SIGURG):  # fmt: skip
+            continue
+        try:
+            signal.signal(signum, on_signal)
+        except (OSError, ValueError):
+            pass
+    worker = None
+    try:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the parent-death signal was armed
+            parent_gone.append(0)
+            raise _ParentGone
+        worker = os.fork()
+        if worker == 0:
+            _exec_worker(command, me, ignored)
+        while True:
+            pid, status = os.waitpid(-1, 0)  # the worker, and the orphans of its tree as they exit
+            if pid == worker:
+                break
+        kill_descendants(os.getpid(), reap=True)  # whatever the worker left behind dies with it
+        _exit_like(status)
+    except _ParentGone:
+        kill_descendants(os.getpid(), reap=True)
+        os._exit(_PARENT_GONE_EXIT if worker is None else 128 + signal.SIGKILL)
+
+
+def _exec_worker(command: list[str], supervisor: int, ignored: list[int]) -> None:
+    """In the forked child: the signal handling the worker would have had, die with the supervisor, exec."""
+    try:
+        for signum in signal.valid_signals():
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):
+                try:
+                    signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
+                except (OSError, ValueError):
+                    pass
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != supervisor:
+            os._exit(_PARENT_GONE_EXIT)
+        os.execvp(command[0], command)
+    except BaseException as exc:  # noqa: BLE001 - nothing may return into the supervisor's code in this child
+        try:
+            os.write(2, f"elastic-run: cannot run {command[:1]}: {exc}\n".encode())
+        finally:
+            os._exit(_EXEC_FAILED_EXIT)
