@@ -107,6 +107,7 @@ class RangeMirror:
             self._lost_stream(response)
             return
         with self._changed:
+            newest = self.revision
             for event in response.events:
                 key = event.key.decode()[len(self.prefix) :]
                 if event.mod_revision <= self.revision:
@@ -115,7 +116,10 @@ class RangeMirror:
                     self._entries.pop(key, None)
                 else:
                     self._entries[key] = Entry(event.value, event.mod_revision)
-            self.revision = max(self.revision, response.header.revision)
+                newest = max(newest, event.mod_revision)
+            # etcd replays a lagging watcher's history in batches of at most 1,000 revisions, each headed with the
+            # store's current revision: only a response without events (progress) vouches for the header's
+            self.revision = newest if response.events else max(self.revision, response.header.revision)
             self._bump()
 
     def _bump(self) -> None:
