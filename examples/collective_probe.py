@@ -2,7 +2,8 @@
 
 It uses only what torchrun gives a script (`init_process_group()` from the environment), so the same file runs
 under torchrun and elastic-run. The recovery benchmark and the launcher's tests read its log to see when a
-smaller or larger world trained again.
+smaller or larger world trained again. It calls `elastic.heartbeat` once per step, for elastic-run's progress
+watchdog: a no-op under torchrun, and a local no-op where the elastic library is not installed.
 
     elastic-run --standalone --nproc-per-node 2 examples/collective_probe.py --steps 20 --log /tmp/probe.jsonl
 """
@@ -17,6 +18,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+try:
+    from elastic import heartbeat
+except ImportError:  # run standalone, without the elastic library: nothing watches progress
+
+    def heartbeat(step=None) -> None:
+        pass
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,6 +58,7 @@ def main() -> None:
                          pid=os.getpid(), master_port=int(os.environ["MASTER_PORT"]))
             log.write(json.dumps(entry) + "\n")
             log.flush()
+        heartbeat(step)
         time.sleep(args.step_time)
     dist.destroy_process_group()
     print(f"rank {rank}/{world_size} done after {args.steps} collectives", file=sys.stderr)

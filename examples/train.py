@@ -36,6 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 try:
+    from elastic import heartbeat, long_operation
     from elastic.checkpoint import CheckpointManager, ModelState
     from elastic.rng import derive_seed, per_sample_dropout, sample_generator, seed_all
     from elastic.sampling import ElasticSampler, MicroBatch, SamplingConfig
@@ -276,7 +277,8 @@ def main(config: TrainConfig) -> None:
     # and its "lr_scheduler" are recognised as foreign layouts and regenerated from the step.
     state = {"model": ModelState(model, optimizer), "dataloader": sampler, "lr_scheduler": schedule}
     manager = CheckpointManager(config.ckpt_dir, keep=3, async_save=True) if config.ckpt_dir else None
-    start = (manager.load_latest(state) if manager else None) or 0
+    with long_operation("checkpoint load"):  # may take long: elastic-run's watchdog allows it more time
+        start = (manager.load_latest(state) if manager else None) or 0
     if config.stop_at is not None and start >= config.stop_at:
         logger.info("checkpoint of step %d is committed, at or past --stop-at %d: nothing to do", start, config.stop_at)
         finish(manager)
@@ -315,18 +317,22 @@ def main(config: TrainConfig) -> None:
             logger.error("simulated failure after step %d (--crash-at)", step)
             os._exit(CRASH_EXIT_CODE)
         if manager and (step % config.ckpt_every == 0 or step in (config.steps, config.stop_at)):
-            manager.save(step, state)
+            with long_operation("checkpoint save"):
+                manager.save(step, state)
         if config.stop_at == step:
-            manager.wait()
+            with long_operation("checkpoint commit"):
+                manager.wait()
             logger.info("checkpoint of step %d committed; stopping (--stop-at)", step)
             break
+        heartbeat(step)  # progress, for elastic-run's watchdog: a hung rank is found, its stacks dumped
     finish(manager)
 
 
 def finish(manager: CheckpointManager | None) -> None:
-    if manager:
-        manager.close()
-    dist.destroy_process_group()
+    with long_operation("finish: last checkpoint, shutdown"):
+        if manager:
+            manager.close()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Threads and what they own:
   every write an agent makes; it wakes on a change in the watched `state/ctl/` range, on a signal, and every
   `--monitor-interval` to poll its workers (which costs etcd nothing);
 - a `LeaseKeeper` thread refreshes the lease; when etcd no longer has it, it wakes the main thread, which
-  rejoins as a newcomer;
+  rejoins as a newcomer. When etcd has not confirmed the lease for most of its TTL (this node is cut off, or
+  was stopped), the main thread fences itself: it kills its workers before the others can have formed a
+  round without it, and once etcd answers it ends that lease and rejoins as a newcomer;
 - the etcd client's watch thread applies changes to the `RangeMirror`;
 - while this agent holds the controller key, a `Controller` thread decides rounds (`launcher.controller`).
 Stopping: the main thread sets `_stop_controller` and stops the keeper; all other threads are daemons.
@@ -33,7 +35,7 @@ from launcher.job_view import JobView, ViewParser
 from launcher.lease_keeper import LeaseKeeper
 from launcher.membership_log import LogMirror
 from launcher.protocol import Holder, JobStore, NodeIdTaken
-from launcher.records import JobStatus, MasterRecord, Member, NodeFailure, NodeRecord, RoundRecord
+from launcher.records import JobStatus, MasterRecord, Member, NodeFailure, NodeRecord, RoundHeader
 from launcher.watch import RangeMirror
 from launcher.workers import WorkerGroup, WorkerOutcome
 
@@ -45,7 +47,7 @@ _ETCD_WARN_AFTER_S = 2.0
 _CLAIM_SPREAD_PER_MEMBER_S = 0.001
 _CLAIM_SPREAD_MAX_S = 1.0
 
-WorkerGroupFactory = Callable[[LaunchConfig, RoundRecord, Member, MasterRecord], WorkerGroup]
+WorkerGroupFactory = Callable[[LaunchConfig, RoundHeader, Member, MasterRecord], WorkerGroup]
 
 
 def address_facing(endpoint_host: str) -> str:
@@ -79,7 +81,7 @@ class Phase(enum.Enum):
 class RoundRun:
     """Everything of one round on this node; a new round replaces it whole."""
 
-    record: RoundRecord
+    record: RoundHeader
     revision: int  # mod revision of the round record: the guard of every report about it
     member: Member | None  # None: a spare in this round
     phase: Phase
@@ -109,6 +111,7 @@ class Agent:
         self._controller: threading.Thread | None = None
         self._stop_controller = threading.Event()
         self._claim_at: float | None = None
+        self._fenced = False  # our workers were killed because etcd stopped confirming our lease
         self._etcd_down_since: float | None = None
         self._etcd_warned_at = 0.0
 
@@ -173,6 +176,9 @@ class Agent:
             if self.keeper.lost:
                 self._rejoin("etcd no longer has our lease (it expired, or the controller evicted this node)")
                 continue
+            if self._fenced or self._must_fence():
+                self._fence()
+                continue
             if self.mirror.version != seen:
                 entries, revision, seen = self.mirror.snapshot()
                 view = self._parser.parse(entries, revision)
@@ -190,8 +196,9 @@ class Agent:
 
     def _step(self, view: JobView) -> None:
         self._maybe_claim_controller(view)
-        if view.round is not None and (self.run_ is None or view.round.round != self.run_.record.round):
-            self._enter_round(view.round, view.round_revision)
+        header = view.round_header
+        if header is not None and (self.run_ is None or header.round != self.run_.record.round):
+            self._enter_round(header, view.round_revision)
         run = self.run_
         if run is None:
             return
@@ -205,9 +212,33 @@ class Agent:
         if run.pending_report is not None:
             self._report(run)
         rollcall = view.rollcalls.get(run.record.round)
-        if rollcall is not None and run.member is not None and run.answered_rollcall != rollcall.nonce:
+        if rollcall is not None and run.member is not None and run.answered_rollcall != rollcall.nonce \
+                and not self._reporting_hang(run):  # fmt: skip
             if self.store.answer_rollcall(run.record.round, run.revision, self.node_id, rollcall.nonce):
                 run.answered_rollcall = rollcall.nonce
+
+    def _must_fence(self) -> bool:
+        """Workers running while etcd has not confirmed our lease for most of its TTL: the job may move on."""
+        ttl = self.lease.ttl
+        running = self.run_ is not None and self.run_.workers is not None
+        return running and self.keeper.silent_for() >= ttl - min(1.0, ttl / 4)
+
+    def _fence(self) -> None:
+        """Kill our workers now; end this incarnation once etcd answers, then rejoin as a newcomer."""
+        if not self._fenced:
+            logger.warning("etcd has not confirmed this node's lease for %.1fs of its %ds: killing the workers "
+                           "before the job moves on without them", self.keeper.silent_for(), self.lease.ttl)  # fmt: skip
+            self._fenced = True
+            self._stop_workers(signal.SIGKILL)
+        try:
+            self.store.revoke(self.record.lease, deadline_s=self.config.monitor_interval)
+        except Exception as exc:
+            if not etcd_client.is_transient(exc):
+                raise
+            self.mirror.wait(self.mirror.version, self.config.monitor_interval)  # still cut off; try again
+            return
+        self._fenced = False
+        self._rejoin("fenced after losing touch with etcd")
 
     def _note_etcd_health(self) -> None:
         now = time.monotonic()
@@ -239,7 +270,7 @@ class Agent:
             return
         now = time.monotonic()
         if self._claim_at is None:
-            members = len(view.round.nodes) if view.round is not None else 1
+            members = view.round_header.size if view.round_header is not None else 1
             spread = min(_CLAIM_SPREAD_MAX_S, _CLAIM_SPREAD_PER_MEMBER_S * members)
             self._claim_at = now + random.uniform(0, spread)
         if now >= self._claim_at:
@@ -247,17 +278,18 @@ class Agent:
             self._claim_controller()
 
     # -- rounds ----------------------------------------------------------------------------------------------
-    def _enter_round(self, record: RoundRecord, revision: int) -> None:
+    def _enter_round(self, record: RoundHeader, revision: int) -> None:
+        member = self.store.read_member(record, self.node_id, self.record.lease)
         if self.run_ is not None and self.run_.workers is not None:
             logger.info("round %d (%s): stopping the workers of round %d", record.round, record.reason,
                         self.run_.record.round)  # fmt: skip
         self._stop_workers()
-        member = record.member(self.node_id, self.record.lease)
         phase = Phase.STARTING if member is not None else Phase.WAITING
         self.run_ = RoundRun(record=record, revision=revision, member=member, phase=phase)
         if member is None:
-            logger.info("round %d formed without this node (at most %d nodes): waiting as a spare", record.round,
-                        self.config.max_nodes)  # fmt: skip
+            logger.info("round %d formed without this incarnation of node %s: waiting as a spare for the next "
+                        "round (at most %d nodes take part, or the round formed before it joined)", record.round,
+                        self.node_id, self.config.max_nodes)  # fmt: skip
 
     def _start_workers(self, run: RoundRun, master: MasterRecord | None) -> None:
         member = run.member
@@ -277,6 +309,10 @@ class Agent:
             return
         if outcome is WorkerOutcome.FAILED:
             for failure in failures:
+                if failure.hung:
+                    logger.error("round %d: worker local_rank %d (rank %d) %s", failure.round, failure.local_rank,
+                                 failure.rank, failure.message)  # fmt: skip
+                    continue
                 logger.error("round %d: worker local_rank %d (rank %d) failed with exit code %d", failure.round,
                              failure.local_rank, failure.rank, failure.exit_code)  # fmt: skip
             self._stop_workers()  # peers of a failed worker usually hang in their next collective
@@ -284,6 +320,13 @@ class Agent:
         else:
             run.pending_report = True
         run.phase = Phase.REPORTED
+
+    @staticmethod
+    def _reporting_hang(run: RoundRun) -> bool:
+        """Our watchdog is killing a hung worker: answer the roll call with that failure, not before it, or the
+        round would move on and the hung worker, which may be the cause of the peers' failures, go unreported."""
+        reporting = getattr(run.workers, "reporting_hang", None)
+        return bool(reporting and reporting())
 
     def _report(self, run: RoundRun) -> None:
         if isinstance(run.pending_report, NodeFailure):
@@ -325,6 +368,8 @@ class Agent:
         return 128 + signum
 
     def _job_over(self, status: JobStatus) -> int:
+        if self._controller is not None:
+            self._controller.join(timeout=5)  # it copies the job's last events and trims them in etcd
         self._stop_workers()
         self._stop_controller.set()
         self.keeper.stop()

@@ -23,6 +23,7 @@ from launcher.config import (
     parse_rdzv_conf,
     parse_std_spec,
 )
+from launcher.watchdog import parse_timeout
 
 logger = logging.getLogger("elastic-run")
 
@@ -92,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--node-id", dest="node_id", default=None, help="this agent's name in the job (default: hostname_pid)")
     add("--worker-stop-timeout", dest="worker_stop_timeout", default="5",
         help="seconds between SIGTERM and SIGKILL when stopping workers")  # fmt: skip
+    add("--watchdog-timeout", dest="watchdog_timeout", default="auto",
+        help="a worker that called elastic.heartbeat and is then silent this long is hung: its stacks are dumped "
+             "and it is killed, counted as a failure. SECONDS, auto (the larger of --watchdog-min and 10x its "
+             "slowest of the last 100 steps) or off (default auto)")  # fmt: skip
+    add("--watchdog-min", dest="watchdog_min", default="60", help="the least allowance under auto (default 60 s)")
+    add("--watchdog-long-op", dest="watchdog_long_op", default="1800",
+        help="allowance inside elastic.long_operation without its own timeout (default 1800 s)")  # fmt: skip
     for flag in UNSUPPORTED_FLAGS:
         parser.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", dest=f"unsupported_{flag}",
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
@@ -121,6 +129,16 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         tee = parse_std_spec(args.tee, "tee")
         ranks_filter = {int(r) for r in args.local_ranks_filter.split(",") if r.strip()} or None
         signals = [signal.Signals[s.strip()].value for s in args.signals_to_handle.split(",") if s.strip()]
+        watchdog_timeout = parse_timeout(args.watchdog_timeout)
+        watchdog = {}
+        for name in ("watchdog_min", "watchdog_long_op"):
+            try:
+                watchdog[name] = float(getattr(args, name))
+                if not 0 < watchdog[name] < float("inf"):
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"bad --{name.replace('_', '-')} {getattr(args, name)!r}: expected positive "
+                                 "seconds") from None  # fmt: skip
     except ValidationError as exc:
         raise ConfigError(_one_line(exc, prefix="--rdzv-conf ")) from None
     except KeyError as exc:
@@ -138,7 +156,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         monitor_interval=args.monitor_interval, worker_stop_timeout=args.worker_stop_timeout, log_dir=args.log_dir,
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, local_addr=args.local_addr, role=args.role,
         signals_to_handle=signals, entrypoint=script, args=args.training_script_args, module=args.module,
-        no_python=args.no_python,
+        no_python=args.no_python, watchdog_timeout=watchdog_timeout, **watchdog,
     )  # fmt: skip
     if args.node_id:
         fields["node_id"] = args.node_id

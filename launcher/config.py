@@ -8,6 +8,7 @@ import socket
 import sys
 from enum import IntEnum
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -128,6 +129,10 @@ class LaunchConfig(BaseModel):
     max_restarts: int = Field(0, ge=0)
     monitor_interval: float = Field(0.1, gt=0)
     worker_stop_timeout: float = Field(5.0, ge=0, description="grace between SIGTERM and SIGKILL of workers")
+    # the progress watchdog (launcher.watchdog): seconds of silence allowed after a heartbeat, auto, or off
+    watchdog_timeout: float | Literal["auto", "off"] = "auto"
+    watchdog_min: float = Field(60.0, gt=0, description="the least allowance of --watchdog-timeout auto")
+    watchdog_long_op: float = Field(1800.0, gt=0, description="default allowance inside elastic.long_operation")
     log_dir: Path | None = None  # None: elastic-run makes a temp dir once the job can start
     redirects: Std | dict[int, Std] = Std.NONE
     tee: Std | dict[int, Std] = Std.NONE
@@ -152,6 +157,13 @@ class LaunchConfig(BaseModel):
         if self.module and self.no_python:
             raise ValueError("-m/--module and --no-python exclude each other")
         return self
+
+    @field_validator("watchdog_timeout")
+    @classmethod
+    def _watchdog_timeout_positive(cls, value):
+        if not isinstance(value, str) and not 0 < value < float("inf"):
+            raise ValueError("--watchdog-timeout: seconds must be positive (or auto, or off)")
+        return value
 
     @field_validator("rdzv_endpoint")
     @classmethod

@@ -178,6 +178,7 @@ class Controller:
             self._trim_events()
 
     def _trim_events(self) -> None:
+        self._sync_log(force=True)  # membership.jsonl keeps every event: copy what is new before it goes
         try:
             trimmed = self.store.trim_events(self.max_events)
         except Exception as exc:

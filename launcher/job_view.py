@@ -11,11 +11,12 @@ from launcher.records import (
     JobStatus,
     LeaveRecord,
     MasterRecord,
+    MemberBucket,
     NodeFailure,
     NodeRecord,
     RollCall,
+    RoundHeader,
     RoundRecord,
-    load_round,
 )
 from launcher.watch import Entry
 
@@ -40,8 +41,10 @@ class JobView:
     revision: int = 0
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     controller: str | None = None
+    round_header: RoundHeader | None = None
+    # the whole round, header and member buckets: only where they are watched (the controller's view)
     round: RoundRecord | None = None
-    round_revision: int = 0  # mod revision of the round record: the guard of every write about that round
+    round_revision: int = 0  # mod revision of the round header: the guard of every write about that round
     status: JobStatus | None = None
     masters: dict[int, MasterRecord] = field(default_factory=dict)
     rollcalls: dict[int, RollCall] = field(default_factory=dict)
@@ -54,6 +57,8 @@ class JobView:
 
 
 _ROUND_REPORT_KINDS = {"ack", "done", "failed", "alive", "lost"}
+# (full key, mod revision) of every malformed value warned about: once per process, however many parsers see it
+_warned: set[tuple[str, int]] = set()
 
 
 class ViewParser:
@@ -68,21 +73,31 @@ class ViewParser:
             raise ValueError(f"{mirror_prefix} is not below {state_prefix}")
         self.state_prefix = state_prefix
         self._below_state = mirror_prefix[len(state_prefix) :]  # what turns a mirror key into a state key
-        self._warned: set[tuple[str, int]] = set()
         # key -> (mod revision, parsed record): a controller of thousands of nodes re-parses only what changed
         self._parsed: dict[str, tuple[int, object]] = {}
         self._next_parsed: dict[str, tuple[int, object]] = {}
+        self._assembled: tuple[int, RoundRecord] | None = None  # (header revision, the round it assembled)
 
     def parse(self, entries: dict[str, Entry], revision: int) -> JobView:
         view = JobView(revision=revision)
         self._next_parsed = {}
+        buckets: dict[int, list[MemberBucket]] = {}
         for key, entry in entries.items():
             key = self._below_state + key
             try:
-                self._place(view, key, entry)
-            except (ValidationError, ValueError, UnicodeDecodeError) as exc:
+                if key.startswith("members/"):
+                    number = int(key.split("/")[1])
+                    buckets.setdefault(number, []).append(self._load(key, entry, MemberBucket))
+                else:
+                    self._place(view, key, entry)
+            except (ValidationError, ValueError, UnicodeDecodeError, IndexError) as exc:
                 self._warn(key, entry, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         self._parsed = self._next_parsed
+        header = view.round_header
+        if header is not None and len(buckets.get(header.round, ())) == header.buckets:
+            if self._assembled is None or self._assembled[0] != view.round_revision:
+                self._assembled = (view.round_revision, RoundRecord.assemble(header, buckets[header.round]))
+            view.round = self._assembled[1]
         return view
 
     def _load(self, key: str, entry: Entry, model):
@@ -92,9 +107,9 @@ class ViewParser:
         return record
 
     def _warn(self, key: str, entry: Entry, why: str) -> None:
-        if (key, entry.mod_revision) in self._warned:
+        if (self.state_prefix + key, entry.mod_revision) in _warned:
             return
-        self._warned.add((key, entry.mod_revision))
+        _warned.add((self.state_prefix + key, entry.mod_revision))
         logger.warning("ignoring malformed value under the job's prefix at %s%s (%s)", self.state_prefix, key, why)
 
     def _place(self, view: JobView, key: str, entry: Entry) -> None:
@@ -103,7 +118,7 @@ class ViewParser:
         if key == "ctl/controller":
             view.controller = raw.decode()
         elif key == "ctl/round":
-            view.round, view.round_revision = load_round(raw), entry.mod_revision
+            view.round_header, view.round_revision = self._load(key, entry, RoundHeader), entry.mod_revision
         elif key == "ctl/status":
             view.status = JobStatus.loads(raw)
         elif key.startswith("ctl/master/"):

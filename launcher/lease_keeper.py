@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from launcher import etcd_client
@@ -23,6 +24,7 @@ class LeaseKeeper:
         self.interval = interval
         self.on_lost = on_lost
         self.lost = False
+        self.refreshed_at = time.monotonic()  # when etcd last confirmed the lease (granted counts)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -33,8 +35,13 @@ class LeaseKeeper:
     def stop(self) -> None:
         self._stop.set()
 
+    def silent_for(self) -> float:
+        """Seconds since etcd last confirmed the lease: past most of the TTL, peers may be forming a round without us."""
+        return time.monotonic() - self.refreshed_at
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            sent = time.monotonic()  # etcd restarts the TTL no earlier than it receives the refresh
             try:
                 responses = self.lease.refresh()
             except Exception as exc:
@@ -48,3 +55,4 @@ class LeaseKeeper:
                 if not self._stop.is_set():
                     self.on_lost()
                 return
+            self.refreshed_at = sent

@@ -20,6 +20,7 @@ EventName = Literal[
     "node_lost",
     "round_started",
     "worker_failed",
+    "worker_hung",
     "restart",
     "job_finished",
     "job_failed",
@@ -47,6 +48,8 @@ class MembershipEvent(BaseModel):
     restart_count: int | None = None
     reason: str | None = None
     message: str | None = None
+    seconds_silent: float | None = None  # worker_hung: how long it had been silent when the watchdog acted
+    last_step: int | None = None  # worker_hung: the last step it reported
     revision: int | None = None  # etcd create revision: the order of the log, filled in when read back
 
     def dumps(self) -> str:
@@ -139,10 +142,10 @@ def _details(event: MembershipEvent) -> str:
     if event.members:
         ranks = " ".join(f"{m['node']}[{m['first_rank']}-{m['last_rank']}]" for m in event.members)
         parts.append(f"members={ranks}")
-    for name in ("local_rank", "rank", "exit_code", "restart_count"):
+    for name in ("local_rank", "rank", "exit_code", "restart_count", "seconds_silent", "last_step"):
         value = getattr(event, name)
         if value is not None:
-            parts.append(f"{name}={value}")
+            parts.append(f"{name}={value:.1f}" if isinstance(value, float) else f"{name}={value}")
     if event.reason:
         parts.append(f"reason={event.reason}")
     if event.message:

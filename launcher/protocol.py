@@ -7,19 +7,20 @@ Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the mem
 | state/nodes/<node>                | NodeRecord     | agent       | register (under its lease)           | key absent (or already ours: a retry)   | lease expiry or revoke; the agent leaving |
 | state/left/<node>                 | LeaveRecord    | agent       | SIGTERM/SIGINT, before workers stop  | none (the agent's own notice)           | controller, once it handled the leave     |
 | state/ctl/controller              | "<node>#<lease>"| agent      | claim (under its lease), held        | key absent (or already ours)            | lease expiry or revoke                    |
-| state/ctl/round                   | RoundRecord    | controller  | form a round                         | holds controller; round rev unchanged; no status | never (replaced by the next round) |
+| state/ctl/round                   | RoundHeader    | controller  | form a round                         | holds controller; round rev unchanged; no status | never (replaced by the next round) |
+| state/members/<round>/<bucket>    | MemberBucket   | controller  | with the round's header (same txn)   | as the header                           | controller, when the next round forms     |
 | state/ctl/master/<round>          | MasterRecord   | group rank 0| before starting its workers          | round rev unchanged                     | controller, when the next round forms     |
 | state/ctl/rollcall/<round>        | RollCall       | controller  | workers failed while a member is silent | holds controller; round rev unchanged | controller, when the next round forms     |
 | state/ctl/status                  | JobStatus      | controller  | finish, fail                         | holds controller; round rev unchanged; no status | purge                             |
 | state/rounds/<round>/ack/<node>   | agent pid      | agent       | its workers started                  | round rev unchanged                     | controller, when the next round forms     |
 | state/rounds/<round>/done/<node>  | "0"            | agent       | its workers all exited 0             | round rev unchanged                     | controller, when the next round forms     |
-| state/rounds/<round>/failed/<node>| NodeFailure    | agent       | a worker exited non-zero             | round rev unchanged                     | controller, when the next round forms     |
+| state/rounds/<round>/failed/<node>| NodeFailure    | agent       | a worker exited non-zero or hung     | round rev unchanged                     | controller, when the next round forms     |
 | state/rounds/<round>/alive/<node> | roll-call nonce| agent       | it saw the round's roll call         | round rev unchanged                     | controller, when the next round forms     |
 | state/rounds/<round>/lost/<node>  | reason         | controller  | a member's lease ended, or it was evicted | holds controller; marker absent    | controller, when the next round forms     |
 | events/<time_ns>-<author>-<seq>   | MembershipEvent| both        | in the same transaction as the change | that change's guard                    | controller keeps the newest `max_events`; purge |
 
-Agents watch only `state/ctl/` (a few small keys per round, whatever the job's size); the controller watches all
-of `state/`. Every write that may be retried carries a marker key unique to that attempt (its event, or its own
+Agents watch only `state/ctl/` (a few small keys per round, whatever the job's size) and read the one member
+bucket that holds their node (by a hash of the node id); the controller watches all of `state/`. Every write that may be retried carries a marker key unique to that attempt (its event, or its own
 value), so a retry whose first attempt committed, and only the reply was lost, recognises its own write.
 """
 
@@ -33,7 +34,19 @@ from dataclasses import dataclass
 
 from launcher import etcd_client
 from launcher.membership_log import MembershipEvent, new_event
-from launcher.records import JobStatus, LeaveRecord, MasterRecord, NodeFailure, NodeRecord, RollCall, RoundRecord
+from launcher.records import (
+    JobStatus,
+    LeaveRecord,
+    MasterRecord,
+    Member,
+    MemberBucket,
+    NodeFailure,
+    NodeRecord,
+    RollCall,
+    RoundHeader,
+    RoundRecord,
+    bucket_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +75,7 @@ class JobKeys:
         self.masters = self.ctl + "master/"
         self.rollcalls = self.ctl + "rollcall/"
         self.rounds = self.state + "rounds/"
+        self.members = self.state + "members/"
 
     def node(self, node: str) -> str:
         return self.nodes + node
@@ -74,6 +88,12 @@ class JobKeys:
 
     def rollcall(self, round_: int) -> str:
         return f"{self.rollcalls}{round_:010d}"
+
+    def members_prefix(self, round_: int) -> str:
+        return f"{self.members}{round_:010d}/"
+
+    def member_bucket(self, round_: int, bucket: int) -> str:
+        return f"{self.members_prefix(round_)}{bucket:04d}"
 
     def round_prefix(self, round_: int) -> str:
         return f"{self.rounds}{round_:010d}/"
@@ -182,10 +202,10 @@ class JobStore:
         )
         self.revoke(record.lease)
 
-    def revoke(self, lease_id: int) -> None:
+    def revoke(self, lease_id: int, deadline_s: float = 5.0) -> None:
         """End a lease now; a lease that is already gone is fine."""
         try:
-            etcd_client.call_with_retry(self.client.revoke_lease, lease_id, deadline_s=5)
+            etcd_client.call_with_retry(self.client.revoke_lease, lease_id, deadline_s=deadline_s)
         except Exception as exc:
             if not etcd_client.is_lease_gone(exc):
                 raise
@@ -211,6 +231,13 @@ class JobStore:
                 return False  # our lease ended meanwhile: the agent rejoins before it can lead
             raise
 
+    def read_member(self, header: RoundHeader, node: str, incarnation: int) -> Member | None:
+        """This incarnation's place in the round `header` announces (None: not a member): one bucket read."""
+        raw, _ = etcd_client.call_with_retry(
+            self.client.get, self.keys.member_bucket(header.round, bucket_of(node, header.buckets)), deadline_s=5
+        )
+        return MemberBucket.loads(raw).member(node, incarnation) if raw is not None else None
+
     def publish_master(self, round_: int, round_revision: int, master: MasterRecord) -> bool:
         key = self.keys.master(round_)
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, master.dumps())], key)
@@ -224,12 +251,14 @@ class JobStore:
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, "0")], key)
 
     def report_failed(self, round_revision: int, report: NodeFailure) -> bool:
-        """Workers failed: the report and one worker_failed event each, only while the round is still current."""
+        """Workers failed: the report and one worker_failed (or worker_hung) event each, only while the round is
+        still current."""
         key = self.keys.report(report.round, "failed", report.node)
         events = [
             self._event(
-                new_event("worker_failed", round=report.round, node=report.node, local_rank=f.local_rank, rank=f.rank,
-                          exit_code=f.exit_code, message=f.message or None),
+                new_event("worker_hung" if f.hung else "worker_failed", round=report.round, node=report.node,
+                          local_rank=f.local_rank, rank=f.rank, exit_code=f.exit_code, message=f.message or None,
+                          **(dict(seconds_silent=f.seconds_silent, last_step=f.last_step) if f.hung else {})),
                 report.node,
             )[1]
             for f in report.failures
@@ -245,10 +274,13 @@ class JobStore:
                    handled_left: list[str]) -> bool:  # fmt: skip
         """Write round `record.round` and its events; drop earlier rounds' reports and the leaves it handled."""
         number = record.round
+        header, buckets = record.split()
         puts = [self._event(e, holder.node) for e in events]
         ops = [
-            self._tx.put(self.keys.round, record.dumps()),
+            self._tx.put(self.keys.round, header.dumps()),
+            *(self._tx.put(self.keys.member_bucket(number, i), b.dumps()) for i, b in enumerate(buckets)),
             # what belonged to earlier rounds goes with them: nothing stale reaches a new round
+            self._tx.delete(self.keys.members, range_end=self.keys.members_prefix(number)),
             self._tx.delete(self.keys.rounds, range_end=self.keys.round_prefix(number)),
             self._tx.delete(self.keys.masters, range_end=self.keys.master(number)),
             self._tx.delete(self.keys.rollcalls, range_end=self.keys.rollcall(number)),

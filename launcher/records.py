@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import functools
+import math
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,11 +53,59 @@ class Member:
         return self.first_rank + self.nproc - 1
 
 
-class RoundRecord(Record):
-    """A membership round: who trains, with which ranks. Written once, in one transaction, by the controller.
+class RoundHeader(Record):
+    """What every agent watches of a round: a few hundred bytes whatever the job's size.
 
-    Stored column-wise so that a round of thousands of nodes stays small: every agent receives it.
-    Members are in group-rank order; ranks are handed out cumulatively in that order.
+    The members sit in `buckets` separate records, by a hash of the node id, so an agent reads only its own
+    bucket: receiving every member list would cost etcd N x N bytes per round.
+    """
+
+    round: int = Field(ge=0)
+    size: int = Field(ge=0)  # members
+    world_size: int = Field(ge=0)
+    restart_count: int = 0
+    reason: str
+    formed_at: float = Field(default_factory=time.time)
+    buckets: int = Field(ge=1)
+    # node -> consecutive rounds it took part in whose worker failure it caused (only nodes with one or more)
+    strikes: dict[str, int] = {}
+    # node -> unix time until which it is kept out of rounds
+    quarantined: dict[str, float] = {}
+
+
+class MemberBucket(Record):
+    """The members of one round whose node ids hash to one bucket, with their places in the round."""
+
+    nodes: list[str]
+    incarnations: list[int]
+    nproc: list[int]
+    addrs: list[str]
+    group_ranks: list[int]
+    first_ranks: list[int]
+
+    def member(self, node: str, incarnation: int | None = None) -> Member | None:
+        try:
+            i = self.nodes.index(node)
+        except ValueError:
+            return None
+        if incarnation is not None and self.incarnations[i] != incarnation:
+            return None
+        return Member(node, self.incarnations[i], self.group_ranks[i], self.nproc[i], self.first_ranks[i], self.addrs[i])
+
+
+_MEMBERS_PER_BUCKET = 64
+_MAX_BUCKETS = 48  # a round is one transaction, and etcd allows 128 operations in one by default
+
+
+def bucket_of(node: str, buckets: int) -> int:
+    return zlib.crc32(node.encode()) % buckets
+
+
+class RoundRecord(Record):
+    """A membership round as a whole: who trains, with which ranks. The controller's view of a round.
+
+    Stored column-wise, in group-rank order; ranks are handed out cumulatively in that order. In etcd it is
+    split (`split`) into a RoundHeader and MemberBuckets, written in one transaction.
     """
 
     round: int = Field(ge=0)
@@ -67,9 +116,7 @@ class RoundRecord(Record):
     restart_count: int = 0
     reason: str
     formed_at: float = Field(default_factory=time.time)
-    # node -> consecutive rounds it took part in whose worker failure it caused (only nodes with one or more)
     strikes: dict[str, int] = {}
-    # node -> unix time until which it is kept out of rounds
     quarantined: dict[str, float] = {}
 
     @model_validator(mode="after")
@@ -118,11 +165,31 @@ class RoundRecord(Record):
             for m in self.members
         ]
 
+    def split(self) -> tuple[RoundHeader, list[MemberBucket]]:
+        """The header every agent watches, and the member buckets each agent reads one of."""
+        count = max(1, min(_MAX_BUCKETS, math.ceil(len(self.nodes) / _MEMBERS_PER_BUCKET)))
+        columns = [{"nodes": [], "incarnations": [], "nproc": [], "addrs": [], "group_ranks": [], "first_ranks": []}
+                   for _ in range(count)]  # fmt: skip
+        for m in self.members:
+            column = columns[bucket_of(m.node, count)]
+            for name, value in (("nodes", m.node), ("incarnations", m.incarnation), ("nproc", m.nproc),
+                                ("addrs", m.addr), ("group_ranks", m.group_rank), ("first_ranks", m.first_rank)):  # fmt: skip
+                column[name].append(value)
+        header = RoundHeader(round=self.round, size=len(self.nodes), world_size=self.world_size,
+                             restart_count=self.restart_count, reason=self.reason, formed_at=self.formed_at,
+                             buckets=count, strikes=self.strikes, quarantined=self.quarantined)  # fmt: skip
+        return header, [MemberBucket(**column) for column in columns]
 
-@functools.lru_cache(maxsize=64)
-def load_round(raw: bytes) -> RoundRecord:
-    """Parse a round record once per process: agents sharing a process receive the very same bytes."""
-    return RoundRecord.loads(raw)
+    @classmethod
+    def assemble(cls, header: RoundHeader, buckets: list[MemberBucket]) -> "RoundRecord":
+        """The whole round from its stored parts (the inverse of `split`)."""
+        members = sorted(
+            (Member(n, inc, g, p, f, a) for b in buckets
+             for n, inc, p, a, g, f in zip(b.nodes, b.incarnations, b.nproc, b.addrs, b.group_ranks, b.first_ranks)),
+            key=lambda m: m.group_rank,
+        )  # fmt: skip
+        return cls.of(header.round, members, header.restart_count, header.reason, header.strikes,
+                      header.quarantined).model_copy(update={"formed_at": header.formed_at})  # fmt: skip
 
 
 class MasterRecord(Record):
@@ -141,6 +208,10 @@ class WorkerFailure(Record):
     time: float
     message: str = ""
     traceback: str = ""
+    # set when the progress watchdog found the worker hung and killed it (launcher.watchdog)
+    hung: bool = False
+    seconds_silent: float | None = None
+    last_step: int | None = None
 
 
 class NodeFailure(Record):

@@ -14,17 +14,19 @@ import time
 from pathlib import Path
 from typing import IO
 
+from elastic.watchdog import HEARTBEAT_ENV
 from launcher.config import LaunchConfig, Std
 from launcher.network import gloo_interface_env
 from launcher.process_tree import orphan_safe_command, stop_group
-from launcher.records import MasterRecord, Member, RoundRecord, WorkerFailure
+from launcher.records import MasterRecord, Member, RoundHeader, WorkerFailure
+from launcher.watchdog import HEARTBEAT_FILE, Policy, Watchdog, read_dump
 
 logger = logging.getLogger(__name__)
 
 
-def worker_env(config: LaunchConfig, round_: RoundRecord, member: Member, master: MasterRecord, local_rank: int,
+def worker_env(config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord, local_rank: int,
                error_file: Path) -> dict[str, str]:  # fmt: skip
-    """The variables torchrun sets for a worker, plus ELASTIC_ROUND."""
+    """The variables torchrun sets for a worker, plus ELASTIC_ROUND and ELASTIC_HEARTBEAT_FILE."""
     rank = member.first_rank + local_rank
     env = dict(os.environ)
     env.update(
@@ -35,7 +37,7 @@ def worker_env(config: LaunchConfig, round_: RoundRecord, member: Member, master
         ROLE_NAME=config.role,
         LOCAL_WORLD_SIZE=str(member.nproc),
         WORLD_SIZE=str(round_.world_size),
-        GROUP_WORLD_SIZE=str(len(round_.members)),
+        GROUP_WORLD_SIZE=str(round_.size),
         ROLE_WORLD_SIZE=str(round_.world_size),
         MASTER_ADDR=master.addr,
         MASTER_PORT=str(master.port),
@@ -48,6 +50,10 @@ def worker_env(config: LaunchConfig, round_: RoundRecord, member: Member, master
         TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
         ELASTIC_ROUND=str(round_.round),
     )
+    env.pop(HEARTBEAT_ENV, None)  # never a channel of an outer elastic-run
+    if Policy.from_config(config) is not None:
+        # elastic.heartbeat's channel to the watchdog: a file next to the error file, created by WorkerGroup
+        env[HEARTBEAT_ENV] = str(error_file.parent / HEARTBEAT_FILE)
     if member.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     # gloo would otherwise bind where the hostname resolves, often 127.0.x.1, which peers on other hosts cannot reach
@@ -89,7 +95,7 @@ class WorkerOutcome(enum.Enum):
 class WorkerGroup:
     """The local workers of one round, each in its own process group so its whole tree can be stopped."""
 
-    def __init__(self, config: LaunchConfig, round_: RoundRecord, member: Member, master: MasterRecord) -> None:
+    def __init__(self, config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord) -> None:
         self.config = config
         self.round = round_
         self.member = member
@@ -98,9 +104,15 @@ class WorkerGroup:
         self.processes: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
         self._exited_at: dict[int, float] = {}
+        # heartbeat channels exist before the workers start (or, with the watchdog off, stale ones are gone)
+        self.watchdog = Watchdog(Policy.from_config(config),
+                                 [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)])  # fmt: skip
 
     def start(self) -> None:
-        command = orphan_safe_command(self.config.worker_command())
+        from launcher.process_tree import supervised_command  # (kept local: workers.py is edited concurrently)
+
+        # each worker runs under a supervisor: its whole tree dies with the agent (even SIGKILLed) or with it
+        command = supervised_command(self.config.worker_command())
         for local_rank in range(self.member.nproc):
             directory = self.attempt_dir / str(local_rank)
             directory.mkdir(parents=True, exist_ok=True)
@@ -141,17 +153,24 @@ class WorkerGroup:
         return subprocess.PIPE, log_file, console
 
     def poll(self) -> tuple[WorkerOutcome, list[WorkerFailure]]:
-        """The group's outcome so far, and its failures earliest first."""
+        """The group's outcome so far, and its failures earliest first; dumps and kills hung workers on the way."""
+        self.watchdog.check(self.processes, self.member.first_rank)
         now = time.time()
         for local_rank, process in enumerate(self.processes):
             if process.poll() is not None:
                 self._exited_at.setdefault(local_rank, now)
-        failures = [self._failure(r) for r, p in enumerate(self.processes) if p.returncode not in (None, 0)]
+        # a worker the watchdog found hung failed, even if it exited 0 once continued for its stack dump
+        failures = [self._failure(r) for r, p in enumerate(self.processes)
+                    if p.returncode not in (None, 0) or (p.returncode == 0 and self.watchdog.hang(r))]  # fmt: skip
         if failures:
             return WorkerOutcome.FAILED, sorted(failures, key=lambda f: (f.time, f.rank))
         if len(self._exited_at) == len(self.processes):
             return WorkerOutcome.SUCCEEDED, []
         return WorkerOutcome.RUNNING, []
+
+    def reporting_hang(self) -> bool:
+        """A worker found hung is being dumped and killed; its failure follows within seconds."""
+        return self.watchdog.acting()
 
     def _failure(self, local_rank: int) -> WorkerFailure:
         directory = self.attempt_dir / str(local_rank)
@@ -160,6 +179,15 @@ class WorkerGroup:
             stderr_log = directory / "stderr.log"
             if stderr_log.is_file():
                 traceback = stderr_log.read_text(errors="replace")[-4000:]
+        hang = self.watchdog.hang(local_rank)
+        if hang is not None:  # found hung and killed: it failed when it fell silent, unless it waited for a peer
+            dump = read_dump(directory / "stderr.log")  # every thread's stack: what the failure summary shows
+            return WorkerFailure(
+                node=self.config.node_id, round=self.round.round, local_rank=local_rank,
+                rank=self.member.first_rank + local_rank, exit_code=self.processes[local_rank].returncode,
+                time=hang.failed_at(dump), message=hang.describe(dump), traceback=dump[-8000:] or traceback, hung=True,
+                seconds_silent=round(hang.seconds_silent, 3), last_step=hang.last_step,
+            )  # fmt: skip
         return WorkerFailure(
             node=self.config.node_id, round=self.round.round, local_rank=local_rank,
             rank=self.member.first_rank + local_rank, exit_code=self.processes[local_rank].returncode,

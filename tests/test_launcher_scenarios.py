@@ -226,11 +226,13 @@ def test_two_jobs_on_one_etcd_do_not_see_each_other(cluster, tmp_path):
 
 
 def test_agents_ride_out_an_etcd_restart(cluster, etcd):
-    agent = cluster.start("solo", cluster.probe(100, 0.1), nproc=2)
+    # a lease of 10 s: an agent fences itself only when etcd has been silent for most of its lease
+    agent = cluster.start("solo", cluster.probe(100, 0.1), nproc=2,
+                          rdzv_conf="keep_alive_interval=0.5,keep_alive_max_attempt=20,last_call_timeout=1")  # fmt: skip
     cluster.wait_for_world(2, timeout=90)
     etcd.process.kill()
     etcd.process.wait()
-    time.sleep(3)  # longer than the lease: only a lease that etcd itself expires may change membership
+    time.sleep(3)  # many keep-alive intervals: etcd extends the leases when it comes back
     etcd.start()
     assert agent.wait(timeout=90) == 0, cluster.dump()
     assert len(events(agent, "round_started")) == 1

@@ -46,7 +46,7 @@ def fake_member(addr: str) -> tuple:
     """Stand-ins for worker_env's arguments: only the attributes it reads."""
     config = SimpleNamespace(role="default", max_restarts=0, rdzv_id="job")
     member = SimpleNamespace(node="n0", group_rank=0, nproc=2, first_rank=0, addr=addr)
-    round_ = SimpleNamespace(round=0, members=[member], world_size=2, restart_count=0)
+    round_ = SimpleNamespace(round=0, size=1, world_size=2, restart_count=0)
     master = SimpleNamespace(addr=addr, port=29500)
     return config, round_, member, master
 

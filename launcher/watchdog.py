@@ -1,0 +1,367 @@
+"""The progress watchdog: a worker that heartbeats and then falls silent past its allowance is hung.
+
+Workers call `elastic.heartbeat(step)` once per step; it writes a small shared-memory file per worker that the
+agent created in the worker's log directory before starting it (`elastic.watchdog` documents the layout). On
+every worker poll (`--monitor-interval`) the agent reads the file's 8-byte change counter, and the rest only once
+a worker has been silent for the least allowance there can be: no etcd, no syscall, next to no CPU.
+
+The rule, as pure functions (`allowance`, `WorkerWatch.verdict`):
+- a worker that never sent a heartbeat is never watched;
+- silence is measured from the last sign of life the agent saw: a heartbeat, or a long operation's begin or end;
+- the normal allowance is `--watchdog-timeout` seconds when it is a number; with `auto` (the default) it is the
+  larger of `--watchdog-min` and 10 x the slowest interval between heartbeats over the last 100 steps (less the
+  time spent inside long operations: a checkpoint save every 50 steps does not inflate it);
+- during a `long_operation` the allowance is the larger of the normal one and the operation's own `timeout=`
+  (default `--watchdog-long-op`, 30 minutes; `math.inf`: unlimited).
+
+A hung worker gets the signal its library registered with faulthandler (every thread's Python stack to its
+stderr), SIGCONT (a stopped process handles no signal), and `DUMP_GRACE_S` later SIGKILL, then its process group
+SIGKILL (at once when the worker leads it; `DUMP_GRACE_S` later when a supervisor runs it and takes its tree down).
+Its failure carries `hung`, `seconds_silent` and `last_step`; the agent reports it like any failed worker and the
+membership log records `worker_hung`. In a synchronous job the peers of a hung worker block in their next
+collective and fall silent too; those past their allowance are reported hung as well (their stacks show them
+waiting inside the collective), the others fail once the hung worker's connections close. The round's failures
+count as one restart against --max-restarts, as for any worker failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Sequence
+
+from elastic import watchdog as channel
+from launcher.process_tree import signal_group
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_FILE = "heartbeat"  # in each worker's log directory, next to error.json
+DUMP_GRACE_S = 1.0  # from the stack-dump signal to SIGKILL: time for faulthandler to write
+AUTO_FACTOR = 10.0
+AUTO_WINDOW = channel.WINDOW
+
+
+def parse_timeout(spec: str | float) -> float | Literal["auto", "off"]:
+    """`--watchdog-timeout SECONDS|auto|off`."""
+    text = str(spec).strip().lower()
+    if text in ("auto", "off"):
+        return text  # type: ignore[return-value]
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"bad --watchdog-timeout {spec!r}: expected seconds, auto or off") from None
+    if not seconds > 0 or math.isinf(seconds):
+        raise ValueError(f"bad --watchdog-timeout {spec!r}: seconds must be positive (or pass off)")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the watchdog allows; `timeout` None means auto."""
+
+    timeout: float | None = None
+    minimum: float = 60.0
+    long_op: float = 1800.0
+    factor: float = AUTO_FACTOR
+    window: int = AUTO_WINDOW
+
+    @property
+    def floor(self) -> float:
+        """The least allowance any worker can have: below it, no silence needs a closer look."""
+        return self.timeout if self.timeout is not None else self.minimum
+
+    @classmethod
+    def from_config(cls, config) -> "Policy | None":
+        """None when the watchdog is off."""
+        timeout = getattr(config, "watchdog_timeout", "off")
+        if timeout == "off":
+            return None
+        return cls(timeout=None if timeout == "auto" else float(timeout), minimum=config.watchdog_min,
+                   long_op=config.watchdog_long_op)  # fmt: skip
+
+
+def allowance(policy: Policy, intervals: Sequence[float], long_op: channel.LongOp | None = None) -> float:
+    """Seconds of silence allowed to a worker that heartbeats, given its recent step intervals (oldest first)."""
+    if policy.timeout is not None:
+        normal = policy.timeout
+    else:
+        recent = intervals[-policy.window :] if policy.window else ()
+        normal = max(policy.minimum, policy.factor * max(recent, default=0.0))
+    if long_op is None:
+        return normal
+    own = long_op.timeout if long_op.timeout is not None else policy.long_op
+    return max(normal, own)
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A worker found silent past its allowance."""
+
+    seconds_silent: float
+    allowance: float
+    last_step: int | None
+    long_op: str | None = None
+    at: float = field(default_factory=time.time)  # wall clock of the verdict
+
+    @property
+    def silent_since(self) -> float:
+        """Wall clock of its last sign of life: when the hang began."""
+        return self.at - self.seconds_silent
+
+    def summary(self) -> str:
+        step = f"after step {self.last_step}" if self.last_step is not None else "(no step given)"
+        inside = f" inside long operation {self.long_op!r}" if self.long_op else ""
+        return f"no heartbeat for {self.seconds_silent:.1f}s {step}{inside} (allowance {self.allowance:g}s)"
+
+    def describe(self, dump: str = "") -> str:
+        """The failure message: what the membership log and the job's failure summary show; its stack `dump`
+        (from its stderr log, when redirected) adds where its main thread was."""
+        frame = main_thread_frame(dump)
+        inside = f" in {frame.function} ({os.path.basename(frame.file)}:{frame.line})" if frame else ""
+        return f"hung{inside}: {self.summary()}; stacks dumped to its stderr, process group killed"
+
+    def failed_at(self, dump: str = "") -> float:
+        """When it failed, for the root cause (the earliest failure): when it fell silent, unless its main
+        thread sat in a torch.distributed call: then it was waiting for a peer, and failed when found hung."""
+        frame = main_thread_frame(dump)
+        return self.at if frame is not None and frame.in_collective else self.silent_since
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<function>\S+)')
+_THREAD = ("Current thread 0x", "Thread 0x")
+
+
+def last_dump(text: str) -> str:
+    """The last faulthandler dump (every thread's stack) in a worker's stderr; "" if there is none."""
+    lines = text.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.startswith(_THREAD)]
+    if not headers:
+        return ""
+
+    def in_dump(line: str) -> bool:
+        return line.startswith(_THREAD) or line.startswith("  ") or not line.strip()
+
+    start = end = headers[-1]
+    while start > 0 and in_dump(lines[start - 1]):
+        start -= 1
+    while end + 1 < len(lines) and (lines[end + 1].startswith("  ") or lines[end + 1].startswith(_THREAD)):
+        end += 1
+    return "\n".join(lines[start : end + 1]).strip("\n") + "\n"
+
+
+def read_dump(path: Path, tail_bytes: int = 65536) -> str:
+    """The last stack dump in the log file at `path` (its last `tail_bytes`), "" when none is there."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - tail_bytes))
+            return last_dump(file.read().decode(errors="replace"))
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+    @property
+    def in_collective(self) -> bool:
+        return "/torch/distributed/" in self.file.replace(os.sep, "/")
+
+
+def main_thread_frame(dump: str) -> Frame | None:
+    """Where the main thread was (its innermost frame) in the last faulthandler dump in `dump`, if any.
+
+    The main thread is the dumped thread whose outermost frame is `<module>`. Peers of a hung worker show a
+    collective here (`all_reduce` in torch/distributed/distributed_c10d.py), the hung worker something else.
+    """
+    blocks, current = [], None
+    for line in dump.splitlines():
+        if line.startswith(("Current thread 0x", "Thread 0x")):
+            current = []
+            blocks.append(current)
+        elif current is not None:
+            match = _FRAME.match(line)
+            if match:
+                current.append(match)
+            elif line.strip():
+                current = None  # the dump ended
+    candidates = [b for b in blocks[-32:] if b]
+    main = next((b for b in reversed(candidates) if b[-1]["function"] == "<module>"), None)
+    if main is None:
+        return None
+    top = main[0]
+    return Frame(top["file"], int(top["line"]), top["function"])
+
+
+@dataclass
+class WorkerWatch:
+    """What the agent has seen of one worker's channel, on its own clock (no cross-process time is compared).
+
+    Every poll looks at `seq` only (it changes on every heartbeat and long-operation begin or end); the whole
+    snapshot is read only once the silence exceeds the least allowance there can be (`Policy.floor`).
+    """
+
+    seq: int | None = None
+    active_at: float | None = None  # agent monotonic time at which `seq` was last seen to change
+    snapshot: channel.Snapshot | None = None  # the last one read (the pid and dump signal to use)
+
+    def observe(self, seq: int | None, now: float) -> None:
+        if seq is not None and seq != self.seq:
+            self.seq, self.active_at = seq, now
+
+    def silent_for(self, now: float) -> float:
+        return 0.0 if self.active_at is None else now - self.active_at
+
+    def verdict(self, policy: Policy, snapshot: channel.Snapshot | None, now: float) -> Hang | None:
+        """A Hang when the worker heartbeated before and has been silent longer than its allowance."""
+        if snapshot is None:
+            return None
+        self.observe(snapshot.seq, now)
+        self.snapshot = snapshot
+        if snapshot.beats == 0:
+            return None  # a script that never calls heartbeat is never watched
+        allowed = allowance(policy, snapshot.intervals, snapshot.long_op)
+        silent = self.silent_for(now)
+        if silent <= allowed:
+            return None
+        return Hang(seconds_silent=silent, allowance=allowed, last_step=snapshot.last_step,
+                    long_op=snapshot.long_op.name if snapshot.long_op else None)  # fmt: skip
+
+
+@dataclass
+class _Worker:
+    path: Path
+    watch: WorkerWatch = field(default_factory=WorkerWatch)
+    view: mmap.mmap | None = None
+    hang: Hang | None = None
+    kill_at: float | None = None  # SIGKILL to the worker
+    group_kill_at: float | None = None  # SIGKILL to its process group, if it still runs
+
+
+class Watchdog:
+    """The watchdog of one WorkerGroup: channels created before the workers start, checked on every poll."""
+
+    def __init__(self, policy: Policy | None, paths: list[Path], clock=time.monotonic) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.workers = [_Worker(path) for path in paths]
+        for worker in self.workers:
+            if policy is None:
+                worker.path.unlink(missing_ok=True)  # a stale channel of an earlier run would be written in vain
+            else:
+                worker.path.parent.mkdir(parents=True, exist_ok=True)
+                channel.create_channel(worker.path)
+
+    def acting(self) -> bool:
+        """A hung worker is being dumped or killed: its failure is about to be reported."""
+        return any(w.kill_at is not None or w.group_kill_at is not None for w in self.workers)
+
+    def hang(self, local_rank: int) -> Hang | None:
+        return self.workers[local_rank].hang if local_rank < len(self.workers) else None
+
+    def check(self, processes: list[subprocess.Popen], first_rank: int = 0) -> None:
+        """Read every running worker's channel; dump and kill the hung ones (never blocks)."""
+        if self.policy is None:
+            return
+        now = self.clock()
+        for local_rank, (worker, process) in enumerate(zip(self.workers, processes)):
+            if process.poll() is not None:
+                worker.kill_at = worker.group_kill_at = None  # nothing left to kill
+                continue
+            if worker.hang is None and self._open(worker):
+                worker.watch.observe(channel.read_seq(worker.view), now)
+                hang = None
+                if worker.watch.silent_for(now) > self.policy.floor:
+                    cached = worker.watch.snapshot  # nothing changed since it was read: no need to read it again
+                    snapshot = cached if cached is not None and cached.seq == worker.watch.seq else None
+                    hang = worker.watch.verdict(self.policy, snapshot or channel.read(worker.view), now)
+                if hang is not None:
+                    worker.hang = hang
+                    logger.error("worker local_rank %d (rank %d) is hung: %s; dumping its stacks, then killing its "
+                                 "process group", local_rank, first_rank + local_rank, hang.summary())  # fmt: skip
+                    worker.kill_at = now + self._dump(worker, process)
+            if worker.kill_at is not None and now >= worker.kill_at:
+                worker.kill_at = None
+                worker.group_kill_at = now + self._kill(worker, process)
+            if worker.group_kill_at is not None and now >= worker.group_kill_at:
+                worker.group_kill_at = None
+                signal_group(process, signal.SIGKILL)
+
+    def _open(self, worker: _Worker) -> bool:
+        if worker.view is None:
+            try:
+                with open(worker.path, "rb") as file:
+                    worker.view = mmap.mmap(file.fileno(), channel.SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+            except (OSError, ValueError):
+                return False
+        return True
+
+    def _owner(self, worker: _Worker, process: subprocess.Popen) -> int:
+        """The worker's own pid, from its channel, if it is `process` or below it (a supervisor, a wrapper)."""
+        snapshot = worker.watch.snapshot
+        if snapshot is not None and snapshot.pid and _descends_from(snapshot.pid, process.pid):
+            return snapshot.pid
+        return process.pid
+
+    def _dump(self, worker: _Worker, process: subprocess.Popen) -> float:
+        """Ask for the stack dump; the seconds to wait before the kill."""
+        snapshot = worker.watch.snapshot
+        owner = self._owner(worker, process)
+        if snapshot is None or not snapshot.dump_signal or not _catches(owner, snapshot.dump_signal):
+            return 0.0  # no handler (never registered, or gone in interpreter shutdown): the signal would kill it
+        try:
+            os.kill(owner, snapshot.dump_signal)
+            os.kill(owner, signal.SIGCONT)  # a stopped worker handles the signal once continued
+        except (ProcessLookupError, PermissionError):
+            return 0.0
+        signal_group(process, signal.SIGCONT)
+        return DUMP_GRACE_S
+
+    def _kill(self, worker: _Worker, process: subprocess.Popen) -> float:
+        """SIGKILL the worker; the seconds until its whole process group gets SIGKILL too.
+
+        A worker that is our child leads its process group: the group dies at once. One under a supervisor
+        (`launcher.process_tree.supervised_command`) dies first, so that its supervisor, still alive, takes the
+        worker's whole tree down and exits with the worker's status; the group follows if anything still runs.
+        """
+        owner = self._owner(worker, process)
+        try:
+            os.kill(owner, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return 0.0 if owner == process.pid else DUMP_GRACE_S
+
+
+def _descends_from(pid: int, ancestor: int, depth: int = 8) -> bool:
+    """Whether `pid` is `ancestor` or a descendant within `depth` generations (Linux /proc)."""
+    for _ in range(depth + 1):
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid <= 1:
+            return False
+    return False
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether `pid` has a handler installed for `signum` (its SigCgt mask in /proc; True where unknown)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return True

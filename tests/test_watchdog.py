@@ -1,0 +1,436 @@
+"""The progress watchdog: the allowance rule as pure functions, the heartbeat channel, hung workers dumped and killed
+by a WorkerGroup, and end to end with real agents on a real etcd."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic import watchdog as channel
+from launcher import etcd_client
+from launcher.cli import ConfigError, build_parser, config_from_args
+from launcher.config import LaunchConfig, Std
+from launcher.membership_log import format_table, read_events
+from launcher.process_tree import child_pids
+from launcher.protocol import JobStore
+from launcher.records import MasterRecord, Member, NodeFailure, RoundRecord, WorkerFailure
+from launcher.watchdog import Hang, Policy, WorkerWatch, allowance, last_dump, main_thread_frame, parse_timeout
+from launcher.workers import WorkerGroup, WorkerOutcome, worker_env
+from launcher_harness import PROBE, REPO
+
+PATTERN = REPO / "tests" / "workers" / "heartbeat_pattern.py"
+AUTO = Policy(timeout=None, minimum=60.0, long_op=1800.0)
+
+
+# -- the allowance rule ------------------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_auto_allows_the_larger_of_the_minimum_and_ten_times_the_slowest_interval():
+    assert allowance(AUTO, []) == 60.0  # one heartbeat so far: no interval yet
+    assert allowance(AUTO, [0.1, 0.5, 0.2]) == 60.0
+    assert allowance(AUTO, [0.5, 8.0, 1.0]) == 80.0
+    assert allowance(Policy(minimum=5.0), [0.2, 0.3]) == 5.0
+
+
+@pytest.mark.timeout(10)
+def test_auto_looks_at_the_last_100_intervals_only():
+    assert allowance(AUTO, [30.0] + [0.1] * 99) == 300.0  # the slow step is still among the last 100
+    assert allowance(AUTO, [30.0] + [0.1] * 100) == 60.0  # it dropped out of the window
+
+
+@pytest.mark.timeout(10)
+def test_a_number_is_the_allowance_whatever_the_intervals():
+    fixed = Policy(timeout=3.0, minimum=60.0)
+    assert allowance(fixed, []) == 3.0
+    assert allowance(fixed, [0.5, 8.0]) == 3.0
+
+
+@pytest.mark.timeout(10)
+def test_long_operations_get_their_own_allowance_never_less_than_the_normal_one():
+    op = channel.LongOp("checkpoint load", None)
+    assert allowance(AUTO, [0.1], op) == 1800.0  # --watchdog-long-op
+    assert allowance(Policy(timeout=3.0, long_op=20.0), [0.1], op) == 20.0
+    assert allowance(AUTO, [0.1], channel.LongOp("x", 7200.0)) == 7200.0  # its own timeout=
+    assert allowance(AUTO, [0.1], channel.LongOp("x", 10.0)) == 60.0  # never shorter than without it
+    assert allowance(AUTO, [9.0], channel.LongOp("x", 10.0)) == 90.0
+    assert allowance(AUTO, [0.1], channel.LongOp("x", math.inf)) == math.inf  # not watched meanwhile
+
+
+def snapshot(seq: int, beats: int, intervals=(), step=None, long_op=None) -> channel.Snapshot:
+    return channel.Snapshot(pid=1, dump_signal=0, seq=seq, beats=beats, last_step=step, intervals=tuple(intervals),
+                            long_op=long_op)  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+def test_a_worker_that_never_heartbeats_is_never_watched():
+    watch = WorkerWatch()
+    watch.observe(0, now=0.0)
+    assert watch.verdict(Policy(timeout=1.0), snapshot(0, 0), now=1e6) is None
+    # a long operation alone (seq moves, no heartbeat) does not arm the watchdog either
+    assert watch.verdict(Policy(timeout=1.0), snapshot(2, 0), now=2e6) is None
+    assert watch.verdict(Policy(timeout=1.0), snapshot(2, 0), now=3e6) is None
+
+
+@pytest.mark.timeout(10)
+def test_silence_counts_from_the_last_change_the_agent_saw():
+    policy = Policy(timeout=3.0)
+    watch = WorkerWatch()
+    watch.observe(2, now=10.0)  # one heartbeat (seq 0 -> 2)
+    assert watch.verdict(policy, snapshot(2, 1, step=0), now=13.0) is None  # exactly the allowance: not yet
+    hang = watch.verdict(policy, snapshot(2, 1, step=0), now=13.5)
+    assert hang is not None and hang.seconds_silent == 3.5 and hang.allowance == 3.0 and hang.last_step == 0
+    watch = WorkerWatch()
+    watch.observe(2, now=10.0)
+    watch.observe(4, now=12.0)  # another heartbeat
+    assert watch.verdict(policy, snapshot(4, 2, [2.0], step=1), now=14.9) is None
+    watch.observe(4, now=20.0)  # no change
+    hang = watch.verdict(policy, snapshot(4, 2, [2.0], step=1), now=20.0)
+    assert hang.seconds_silent == 8.0 and hang.last_step == 1
+    assert "after step 1" in hang.describe() and "allowance 3s" in hang.describe()
+
+
+@pytest.mark.timeout(10)
+def test_a_long_operation_is_judged_by_its_own_allowance_and_its_begin_is_a_sign_of_life():
+    policy = Policy(timeout=3.0, long_op=600.0)
+    watch = WorkerWatch()
+    watch.observe(2, now=0.0)
+    op = channel.LongOp("checkpoint load", None)
+    assert watch.verdict(policy, snapshot(3, 1, long_op=op), now=500.0) is None  # begin seen at 500
+    assert watch.verdict(policy, snapshot(3, 1, long_op=op), now=1099.0) is None
+    hang = watch.verdict(policy, snapshot(3, 1, long_op=op), now=1101.0)
+    assert hang.allowance == 600.0 and hang.long_op == "checkpoint load" and hang.seconds_silent == 601.0
+
+
+DUMP = """step 41
+Thread 0x00007f3a2d7fe640 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f3a3a1c4b80 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/job/train.py", line 53 in main
+  File "/job/train.py", line 68 in <module>
+"""
+
+
+@pytest.mark.timeout(10)
+def test_the_dump_tells_a_peer_waiting_in_a_collective_from_the_hung_worker():
+    hang = Hang(seconds_silent=3.5, allowance=3.0, last_step=41, at=1000.0)
+    frame = main_thread_frame(DUMP)
+    assert (frame.function, frame.line, frame.in_collective) == ("all_reduce", 3252, True)
+    assert hang.describe(DUMP).startswith("hung in all_reduce (distributed_c10d.py:3252): no heartbeat for 3.5s")
+    assert hang.failed_at(DUMP) == 1000.0  # it waited for a peer: failed when found hung
+    stuck = DUMP.replace("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", "/job/data.py")
+    assert not main_thread_frame(stuck).in_collective
+    assert hang.failed_at(stuck) == 996.5  # the culprit failed when it fell silent: the earlier root cause
+    assert main_thread_frame("no dump here") is None and hang.describe("").startswith("hung: no heartbeat")
+    assert hang.failed_at("") == 996.5
+    # the dump is found among what the worker wrote before and after it
+    log = "INFO loading\n" + stuck + "INFO step 42 done\nWARNING slow\n"
+    assert last_dump(log) == stuck.removeprefix("step 41\n") and last_dump("nothing\n") == ""
+
+
+# -- the channel: what heartbeat writes and the agent reads ---------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def open_view(path: Path):
+    import mmap
+
+    with open(path, "rb") as file:
+        return mmap.mmap(file.fileno(), channel.SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+
+
+@pytest.fixture
+def fresh_channel(tmp_path):
+    path = tmp_path / "heartbeat"
+    channel.create_channel(path)
+    clock = FakeClock()
+    writer = channel.open_channel(str(path), clock=clock, install_hooks=False)
+    assert isinstance(writer, channel.Channel)
+    yield writer, clock, open_view(path), path
+    writer.close()
+
+
+@pytest.mark.timeout(10)
+def test_heartbeats_record_steps_and_the_intervals_between_them(fresh_channel):
+    writer, clock, view, _ = fresh_channel
+    assert channel.read(view).beats == 0 and channel.read(view).pid == os.getpid()
+    for advance, step in ((0.0, 0), (1.0, 1), (2.0, 2)):
+        clock.now += advance
+        writer.beat(step)
+    read = channel.read(view)
+    assert (read.beats, read.last_step, read.intervals, read.long_op) == (3, 2, (1.0, 2.0), None)
+    assert read.seq % 2 == 0 and read.seq == channel.read_seq(view)
+    writer.beat(None)  # no step given: the last one stays
+    assert channel.read(view).last_step == 2
+
+
+@pytest.mark.timeout(10)
+def test_intervals_keep_the_last_100_in_order(fresh_channel):
+    writer, clock, view, _ = fresh_channel
+    for step in range(151):
+        clock.now += 1.0 + step / 1000
+        writer.beat(step)
+    intervals = channel.read(view).intervals
+    assert len(intervals) == 100
+    assert intervals[0] == pytest.approx(1.051) and intervals[-1] == pytest.approx(1.150)
+
+
+@pytest.mark.timeout(10)
+def test_time_inside_long_operations_is_left_out_of_step_intervals(fresh_channel):
+    writer, clock, view, _ = fresh_channel
+    writer.beat(0)
+    clock.now += 1.0
+    writer.beat(1)
+    seq = channel.read_seq(view)
+    clock.now += 0.5
+    outer = writer.begin("checkpoint load", None)
+    assert channel.read_seq(view) > seq  # the begin is a sign of life
+    read = channel.read(view)
+    assert read.long_op == channel.LongOp("checkpoint load", None)
+    inner = writer.begin("inner", 7200.0)  # nested, or in another thread: the largest timeout, the oldest name
+    assert channel.read(view).long_op == channel.LongOp("checkpoint load", 7200.0)
+    clock.now += 600.0
+    writer.beat(2)  # a heartbeat inside the operation: progress; its interval is the 0.5s before the operation
+    writer.end(outer)  # operations in two threads may end in any order
+    assert channel.read(view).long_op == channel.LongOp("inner", 7200.0)
+    clock.now += 900.0
+    writer.end(inner)
+    assert channel.read(view).long_op is None
+    clock.now += 0.25
+    writer.beat(3)  # 900.25s since the last heartbeat, 900s of them inside the operation
+    clock.now += 2.0
+    save = writer.begin("checkpoint save", None)
+    clock.now += 30.0
+    writer.end(save)
+    clock.now += 0.5
+    writer.beat(4)  # a save at the end of a step: the step's compute time stays, the save's does not
+    assert channel.read(view).intervals == pytest.approx((1.0, 0.5, 0.25, 2.5))
+
+
+@pytest.mark.timeout(10)
+def test_only_the_owner_writes_a_forked_child_and_a_second_opener_stay_silent(fresh_channel):
+    writer, clock, view, path = fresh_channel
+    writer.beat(0)
+    seq = channel.read_seq(view)
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker forked by the training script
+        try:
+            writer.beat(99)
+            assert writer.begin("x", None) is None
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert channel.read_seq(view) == seq and channel.read(view).last_step == 0
+    # a subprocess with the same environment opens the file anew: the owner's lock keeps it out
+    assert channel.open_channel(str(path), install_hooks=False) is channel._DISABLED
+
+
+@pytest.mark.timeout(10)
+def test_no_channel_means_every_call_is_a_no_op(tmp_path, monkeypatch):
+    assert channel.open_channel(None) is channel._DISABLED
+    assert channel.open_channel(str(tmp_path / "missing")) is channel._DISABLED  # --watchdog-timeout off
+    foreign = tmp_path / "foreign"
+    foreign.write_bytes(b"\0" * channel.SIZE)  # not our layout
+    assert channel.open_channel(str(foreign)) is channel._DISABLED
+    monkeypatch.delenv(channel.HEARTBEAT_ENV, raising=False)
+    monkeypatch.setattr(channel, "_channel", None)
+    import elastic
+
+    elastic.heartbeat(1)
+    with elastic.long_operation("checkpoint load"):
+        elastic.heartbeat()
+    assert channel._channel is channel._DISABLED
+    with pytest.raises(ValueError):
+        elastic.long_operation("x", timeout=0)
+
+
+# -- configuration and the log ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_flags_parse_and_bad_values_are_refused():
+    assert parse_timeout("auto") == "auto" and parse_timeout("OFF") == "off" and parse_timeout("2.5") == 2.5
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(ValueError, match="--watchdog-timeout"):
+            parse_timeout(bad)
+
+    def config(*flags: str) -> LaunchConfig:
+        return config_from_args(build_parser().parse_args(["--standalone", *flags, str(PROBE)]))
+
+    default = config()
+    assert (default.watchdog_timeout, default.watchdog_min, default.watchdog_long_op) == ("auto", 60.0, 1800.0)
+    assert Policy.from_config(default) == Policy(timeout=None, minimum=60.0, long_op=1800.0)
+    chosen = config("--watchdog-timeout", "3", "--watchdog-min", "5", "--watchdog_long_op", "99")
+    assert Policy.from_config(chosen) == Policy(timeout=3.0, minimum=5.0, long_op=99.0)
+    assert Policy.from_config(config("--watchdog-timeout", "off")) is None
+    for flags in (["--watchdog-timeout", "x"], ["--watchdog-min", "0"], ["--watchdog-long-op", "y"]):
+        with pytest.raises(ConfigError, match=flags[0]):
+            config(*flags)
+
+
+def one_member_round(member: Member):
+    """What an agent hands its WorkerGroup for a round of one node: the round's header where rounds are split."""
+    record = RoundRecord.of(0, [member], 0, "initial")
+    split = getattr(record, "split", None)
+    return split()[0] if split is not None else record
+
+
+@pytest.mark.timeout(10)
+def test_workers_get_the_channel_only_while_watched(tmp_path):
+    member = Member("n", 1, 0, 1, 0, "127.0.0.1")
+    args = (one_member_round(member), member, MasterRecord(addr="127.0.0.1", port=1))
+    on = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, rdzv_endpoint="127.0.0.1:2379", rdzv_id="t",
+                      entrypoint=str(PATTERN), log_dir=tmp_path)  # fmt: skip
+    env = worker_env(on, *args, local_rank=0, error_file=tmp_path / "0" / "error.json")
+    assert env[channel.HEARTBEAT_ENV] == str(tmp_path / "0" / "heartbeat")
+    off = on.model_copy(update={"watchdog_timeout": "off"})
+    assert channel.HEARTBEAT_ENV not in worker_env(off, *args, local_rank=0, error_file=tmp_path / "e.json")
+
+
+@pytest.mark.timeout(30)
+def test_report_of_a_hung_worker_logs_worker_hung_with_its_details(etcd):
+    client = etcd_client.connect(etcd.endpoint)
+    try:
+        store = JobStore(client, "job")
+        hung = WorkerFailure(node="a", round=0, local_rank=1, rank=3, exit_code=-9, time=1.0, hung=True,
+                             seconds_silent=3.25, last_step=41, message="hung: no heartbeat for 3.2s")  # fmt: skip
+        other = WorkerFailure(node="a", round=0, local_rank=0, rank=2, exit_code=1, time=2.0)
+        assert store.report_failed(0, NodeFailure(node="a", round=0, failures=[hung, other]))
+        events = read_events(client, store.keys.events)
+    finally:
+        client.close()
+    assert [e.event for e in events] == ["worker_hung", "worker_failed"]
+    first = events[0]
+    assert (first.node, first.local_rank, first.rank, first.seconds_silent, first.last_step) == ("a", 1, 3, 3.25, 41)
+    assert events[1].seconds_silent is None and events[1].last_step is None
+    table = format_table(events)
+    assert "worker_hung" in table and "seconds_silent=3.2" in table and "last_step=41" in table
+
+
+# -- a WorkerGroup with real worker processes (no etcd, no torch) ---------------------------------------------------
+def run_group(tmp_path: Path, script_args: list[str], timeout: float = 1.0, deadline_s: float = 30.0):
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, rdzv_endpoint="127.0.0.1:2379", rdzv_id="t",
+                          entrypoint=str(PATTERN), args=script_args, log_dir=tmp_path, redirects=Std.ALL,
+                          watchdog_timeout=timeout, worker_stop_timeout=1, node_id="n")  # fmt: skip
+    member = Member("n", 1, 0, 1, 0, "127.0.0.1")
+    group = WorkerGroup(config, one_member_round(member), member, MasterRecord(addr="127.0.0.1", port=1))
+    group.start()
+    try:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            outcome, failures = group.poll()
+            if outcome is not WorkerOutcome.RUNNING:
+                return outcome, failures, tmp_path / "n" / "attempt_0" / "0"
+            time.sleep(0.05)
+        raise AssertionError("the worker neither finished nor was found hung")
+    finally:
+        group.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_worker_is_found_hung_its_stacks_dumped_and_killed(tmp_path):
+    outcome, failures, logs = run_group(tmp_path, ["--beats", "5", "--then", "stop"])
+    assert outcome is WorkerOutcome.FAILED
+    [failure] = failures
+    assert failure.hung and failure.last_step == 4 and failure.seconds_silent >= 1.0
+    assert failure.message.startswith("hung in main (heartbeat_pattern.py:")  # where it stopped itself
+    stderr = (logs / "stderr.log").read_text()
+    assert "Current thread 0x" in stderr and 'heartbeat_pattern.py", line' in stderr
+    assert failure.traceback and "Current thread" in failure.traceback  # what the job's failure summary shows
+
+
+@pytest.mark.timeout(60)
+def test_heartbeats_of_a_forked_child_do_not_keep_a_silent_worker_alive(tmp_path):
+    outcome, failures, _ = run_group(tmp_path, ["--beats", "3", "--then", "sleep", "--pause", "20", "--fork"])
+    assert outcome is WorkerOutcome.FAILED and failures[0].hung and failures[0].exit_code == -signal.SIGKILL
+    assert failures[0].last_step == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_long_operation_outlasts_the_normal_allowance(tmp_path):
+    outcome, failures, logs = run_group(tmp_path, ["--beats", "3", "--then", "long-op", "--pause", "2.5"])
+    assert (outcome, failures) == (WorkerOutcome.SUCCEEDED, [])
+    assert "done" in (logs / "stdout.log").read_text()
+
+
+# -- end to end: real agents, a real etcd --------------------------------------------------------------------------
+def probe_worker(agent_pid: int) -> int:
+    """The collective_probe worker under an agent: its child, or (another parenting) found by its command line."""
+    for pid in child_pids(agent_pid):
+        if str(PROBE).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            ancestors, pid = [], int(entry.name)
+            while pid > 1 and len(ancestors) < 8:
+                pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ancestors.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        if agent_pid in ancestors and any(arg.endswith(b"collective_probe.py") for arg in argv[1:3]):
+            return int(entry.name)
+    raise AssertionError(f"no collective_probe worker under agent {agent_pid}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_hung_worker_is_dumped_killed_logged_and_the_job_trains_again(cluster):
+    probe = cluster.probe(40, 0.1)
+    flags = ["--watchdog-timeout", "3", "--max-restarts", "1", "--redirects", "2"]
+    agents = [cluster.start(n, probe, nnodes="2", nproc=1, extra=flags) for n in ("a", "b")]
+    cluster.wait_for_world(2, timeout=90)
+    victim = probe_worker(agents[0].pid)
+
+    stopped_at = time.time()
+    os.kill(victim, signal.SIGSTOP)  # hung, while its agent stays healthy: its peer blocks in all_reduce
+    hung = cluster.wait_for(lambda: [e for e in cluster.events("worker_hung") if e["node"] == "a"], 30,
+                            "worker_hung for the stopped worker")  # fmt: skip
+    again = cluster.wait_for_world(2, timeout=60, after=hung[0]["time"])
+    print(f"\nSIGSTOP -> worker_hung logged {hung[0]['time'] - stopped_at:.1f}s, "
+          f"-> first collective of round {again['round']} {again['time'] - stopped_at:.1f}s")
+    for agent in agents:
+        assert agent.wait(timeout=90) == 0, cluster.dump()
+
+    event = hung[0]
+    first = cluster.events("round_started")[0]
+    rank_of_a = next(m["first_rank"] for m in first["members"] if m["node"] == "a")  # ranks follow join order
+    assert (event["local_rank"], event["rank"], event["round"]) == (0, rank_of_a, 0)
+    assert event["seconds_silent"] >= 3 and event["last_step"] is not None and event["last_step"] >= 0
+    assert event["message"].startswith("hung in ")  # where its main thread was, from the dump
+    assert again["round"] >= 1 and again["restarts"] == 1
+    stderr = (agents[0].log_dir / "a" / "attempt_0" / "0" / "stderr.log").read_text()
+    assert "Current thread 0x" in stderr or "Thread 0x" in stderr, stderr[-2000:]
+    assert 'collective_probe.py", line' in stderr
+    last_round = cluster.events("round_started")[-1]
+    assert (last_round["reason"], last_round["restart_count"]) == ("worker_failed", 1)
+    assert [e["restart_count"] for e in cluster.events("restart")] == [1]
+    assert cluster.events("job_finished")
+    assert "is hung: no heartbeat for" in agents[0].text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_script_that_never_heartbeats_is_never_killed(cluster):
+    script_args = ["--no-heartbeat", "--beats", "2", "--interval", "3"]
+    agent = cluster.start("solo", script_args, nproc=1, script=PATTERN, extra=["--watchdog-timeout", "1"])
+    assert agent.wait(timeout=90) == 0, cluster.dump()
+    assert not cluster.events("worker_hung") and not cluster.events("worker_failed")
+    assert cluster.events("job_finished")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
