@@ -1,8 +1,10 @@
 """Committed, asynchronous, resharding checkpoints on torch.distributed.checkpoint (DCP).
 
-Each checkpoint is a folder ``<directory>/step-<N>`` written by DCP and made loadable by a
-``commit.json`` that rank 0 writes once every rank's data and DCP's metadata are durable.
-Tensor state is plain DCP, so any world size can load it and ``dcp.load`` reads it directly::
+Each checkpoint is a folder ``<directory>/step-<N>`` written by DCP into a folder of its own save
+attempt and published by rank 0, once every rank's data and DCP's metadata are durable, by writing
+``commit.json`` into it and renaming it to ``step-<N>``. A save of a round that is no longer current
+never commits (fence.py). Tensor state is plain DCP, so any world size can load it and ``dcp.load``
+reads it directly::
 
     mgr = CheckpointManager(directory, keep=3, async_save=True)
     state = {"model": ModelState(model, optimizer), "train": my_stateful}
@@ -12,7 +14,8 @@ Tensor state is plain DCP, so any world size can load it and ``dcp.load`` reads 
     mgr.close()
 """
 
-from elastic.checkpoint.layout import CheckpointError, CommitRecord, write_commit_record
+from elastic.checkpoint.errors import CheckpointError, FencedError
+from elastic.checkpoint.layout import CommitRecord, write_commit_record
 from elastic.checkpoint.manager import CheckpointManager
 from elastic.checkpoint.model_state import ModelState
 from elastic.checkpoint.sync import sync_module_states
@@ -21,6 +24,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CommitRecord",
+    "FencedError",
     "ModelState",
     "sync_module_states",
     "write_commit_record",

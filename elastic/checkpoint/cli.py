@@ -11,12 +11,15 @@ from pathlib import Path
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from elastic.checkpoint.aside import is_set_aside
+from elastic.checkpoint.errors import CheckpointError
+from elastic.checkpoint.fence import read_fence
 from elastic.checkpoint.integrity import read_metadata
 from elastic.checkpoint.layout import (
     CheckpointEntry,
-    CheckpointError,
     folder_size,
     read_commit_record,
+    read_entry,
     scan,
     step_dir,
     write_commit_record,
@@ -42,7 +45,9 @@ def _committed(directory: Path, step: int | None) -> Path:
     folder = step_dir(_existing_directory(directory), step)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} does not exist; run `{PROG} list {directory}` to see the steps")
-    read_commit_record(folder)
+    entry = read_entry(folder, read_fence(directory))
+    if not entry.committed:
+        raise CheckpointError(entry.problem)
     return folder
 
 
@@ -50,8 +55,9 @@ def _row(entry: CheckpointEntry) -> dict:
     record = entry.record
     return {
         "step": entry.step,
-        "state": "committed" if entry.committed else "torn",
+        "state": entry.state,
         "world_size": record.world_size if record else None,
+        "round": record.round if record else None,
         "bytes": folder_size(entry.path),
         "time": record.time.isoformat() if record else None,
         "path": str(entry.path),
@@ -68,6 +74,9 @@ def _list(args: argparse.Namespace) -> None:
     for row in rows:
         world = row["world_size"] if row["world_size"] is not None else "-"
         print(f"{row['step']:>8}  {row['state']:<9}  {world:>5}  {_human(row['bytes']):>10}  {row['time'] or '-'}")
+    set_aside = sorted(path.name for path in args.directory.iterdir() if is_set_aside(path.name))
+    if set_aside:  # damaged or stale checkpoints moved out of the way: they do not load, but they are not gone
+        print(f"set aside (not loaded): {', '.join(set_aside)}")
 
 
 def _human(size: float) -> str:
@@ -82,8 +91,9 @@ def _human(size: float) -> str:
 def _inspect(args: argparse.Namespace) -> None:
     folder = _committed(args.directory, args.step)
     record = read_commit_record(folder)
+    made_by = f", round {record.round}, attempt {record.attempt}" if record.attempt else ""
     print(f"{folder}: step {record.step}, saved by {record.world_size} ranks at {record.time.isoformat()}, "
-          f"torch {record.torch_version}, elastic {record.elastic_version}")
+          f"torch {record.torch_version}, elastic {record.elastic_version}{made_by}")
     for key, item in sorted(read_metadata(folder).state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
             shape = "x".join(map(str, item.size)) or "scalar"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from elastic.checkpoint.layout import DCP_METADATA_FILE, CheckpointError
+from elastic.checkpoint.errors import CheckpointError
+from elastic.checkpoint.layout import DCP_METADATA_FILE
 
 
 def read_metadata(folder: Path) -> Metadata:
@@ -23,12 +25,27 @@ def read_metadata(folder: Path) -> Metadata:
     return metadata
 
 
-def verify_readable(folder: Path) -> None:
+def metadata_digest(folder: Path) -> str:
+    """SHA-256 of DCP's ``.metadata`` in ``folder``: what ties a commit to the metadata its own save wrote."""
+    digest = hashlib.sha256()
+    with open(folder / DCP_METADATA_FILE, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_readable(folder: Path, metadata_sha256: str | None = None) -> None:
     """Check that DCP's metadata of ``folder`` and every data file it names exist here, long enough.
 
     Catches a rank whose file never reached shared storage, or a file cut short, before a load trips on it.
+    With ``metadata_sha256`` (from the commit record), also that ``.metadata`` is the one that save wrote.
     """
     metadata = read_metadata(folder)
+    if metadata_sha256 is not None and metadata_digest(folder) != metadata_sha256:
+        raise CheckpointError(
+            f"{folder} cannot be read: its DCP {DCP_METADATA_FILE} is not the one its save wrote "
+            "(its SHA-256 differs from the one recorded when that save finished); something replaced it"
+        )
     needed_bytes: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed_bytes[info.relative_path] = max(needed_bytes.get(info.relative_path, 0), info.offset + info.length)

@@ -1,8 +1,10 @@
 """On-disk layout: ``<directory>/step-<N>`` folders and the commit record that makes one loadable.
 
-A step folder is committed only when it holds a valid ``commit.json``; rank 0 writes that file
-after DCP's ``.metadata`` exists, which DCP itself writes only after every rank wrote its data.
-Anything else under ``step-<N>`` (a crash mid-save, garbage) is torn and never loaded.
+A save writes into a folder of its own, ``step-<N>.attempt-e<epoch>-r<round>-<id>``, and is committed
+by writing ``commit.json`` into it and renaming it to ``step-<N>`` (see attempt.py), so a committed
+folder holds the files of exactly one save. A ``step-<N>`` folder counts only when it holds a valid
+``commit.json`` whose save the directory's fence admits (fence.py); anything else under that name
+(garbage, a folder committed by hand and then damaged, a stale round's commit) is never loaded.
 """
 
 from __future__ import annotations
@@ -12,19 +14,22 @@ import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import elastic
+from elastic.checkpoint.durable import fsync_dir, write_durably
+from elastic.checkpoint.errors import CheckpointError
+from elastic.checkpoint.fence import Fence, read_fence
+
+__all__ = ["CheckpointError", "fsync_dir", "write_durably"]  # re-exported: older code imports them from here
 
 COMMIT_FILE = "commit.json"
 DCP_METADATA_FILE = ".metadata"
 _STEP_DIR_PATTERN = re.compile(r"step-(0|[1-9][0-9]*)")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or checkpoint directory that cannot be used as asked; the message says why and what to do."""
+_ATTEMPT_DIR_PATTERN = re.compile(r"step-(0|[1-9][0-9]*)\.attempt-e([1-9][0-9]*)-r([0-9]+)-([0-9a-f]+)")
 
 
 class CommitRecord(BaseModel):
@@ -37,10 +42,19 @@ class CommitRecord(BaseModel):
     time: datetime = Field(description="UTC time of the commit")
     torch_version: str
     elastic_version: str
+    # Which save made it; None in records written by hand (write_commit_record, elastic-ckpt convert).
+    round: int | None = Field(None, description="ELASTIC_ROUND of the ranks that saved it")
+    run_id: str | None = Field(None, description="TORCHELASTIC_RUN_ID of the ranks that saved it")
+    epoch: int | None = Field(None, description="the directory's fence epoch the save belonged to")
+    attempt: str | None = Field(None, description="id of the save attempt, unique per save")
+    metadata_sha256: str | None = Field(None, description="digest of the DCP .metadata that save wrote")
 
 
 class CheckpointEntry(BaseModel):
-    """One ``step-<N>`` folder as found on disk; ``record`` is None when it is torn, and ``problem`` says why."""
+    """One ``step-<N>`` folder as found on disk; ``record`` is None when it is torn, and ``problem`` says why.
+
+    A fenced entry has a commit record, but of a save whose round was no longer current (fence.py).
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -48,10 +62,31 @@ class CheckpointEntry(BaseModel):
     path: Path
     record: CommitRecord | None = None
     problem: str | None = None
+    fenced: bool = False
 
     @property
     def committed(self) -> bool:
-        return self.record is not None
+        return self.record is not None and not self.fenced
+
+    @property
+    def state(self) -> str:
+        return "committed" if self.committed else "fenced" if self.fenced else "torn"
+
+    @property
+    def key(self) -> str:
+        """What identifies this commit across renames: its attempt id, or its name and time for hand-made ones."""
+        if self.record is None:
+            return f"{self.path.name}@torn"  # nothing to identify: torn entries are never kept track of
+        return self.record.attempt or f"{self.path.name}@{self.record.time.isoformat()}"
+
+
+class AttemptName(NamedTuple):
+    """What the name of an attempt folder ``step-<N>.attempt-e<epoch>-r<round>-<id>`` says."""
+
+    step: int
+    epoch: int
+    round: int
+    attempt: str
 
 
 def step_dir(directory: str | os.PathLike, step: int) -> Path:
@@ -64,29 +99,25 @@ def parse_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def attempt_dir(directory: str | os.PathLike, step: int, epoch: int, round_: int, attempt: str) -> Path:
+    return Path(directory) / f"step-{step}.attempt-e{epoch}-r{round_}-{attempt}"
 
 
-def write_durably(path: Path, data: bytes) -> None:
-    """Write via a tmp file, fsync, atomic rename and fsync of the folder, so readers see all of it or nothing."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as stream:
-        stream.write(data)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def parse_attempt(name: str) -> AttemptName | None:
+    """What an attempt folder's name says, or None for any other name."""
+    match = _ATTEMPT_DIR_PATTERN.fullmatch(name)
+    if not match:
+        return None
+    step, epoch, round_, attempt = match.groups()
+    return AttemptName(int(step), int(epoch), int(round_), attempt)
 
 
 def write_commit_record(step_dir: str | os.PathLike, step: int, world_size: int) -> CommitRecord:
-    """Commit a finished DCP checkpoint folder (ours, or one written by plain ``dcp.save`` elsewhere).
+    """Commit a finished DCP checkpoint folder in place (one written by plain ``dcp.save``, or by hand).
 
-    Call it on one rank only, after ``dcp.save`` returned on every rank.
+    Call it on one rank only, after ``dcp.save`` returned on every rank. The record names no save
+    attempt, so the directory's fence always admits it: this is for people adopting checkpoints, while
+    CheckpointManager commits its own saves through attempt folders (attempt.py).
     """
     folder = Path(step_dir)
     if not (folder / DCP_METADATA_FILE).is_file():
@@ -125,21 +156,43 @@ def read_commit_record(folder: Path) -> CommitRecord:
     return record
 
 
+def read_entry(folder: Path, fence: Fence | None) -> CheckpointEntry:
+    """The ``step-<N>`` folder ``folder`` as a CheckpointEntry, judged by the directory's ``fence``."""
+    step = parse_step(folder.name)
+    if step is None:
+        raise CheckpointError(f"{folder} is not a checkpoint folder: its name must be step-<N>")
+    try:
+        record = read_commit_record(folder)
+    except CheckpointError as error:
+        return CheckpointEntry(step=step, path=folder, problem=str(error))
+    if fence is not None and not fence.admits(record.epoch, record.attempt):
+        problem = (
+            f"{folder} was committed by a save of epoch {record.epoch} (round {record.round}, attempt "
+            f"{record.attempt}) after {fence.describe()} took the directory over: its round was no longer current"
+        )
+        return CheckpointEntry(step=step, path=folder, record=record, problem=problem, fenced=True)
+    return CheckpointEntry(step=step, path=folder, record=record)
+
+
 def scan(directory: str | os.PathLike) -> list[CheckpointEntry]:
     """Every ``step-<N>`` folder under ``directory``, oldest first; a missing directory holds none."""
     root = Path(directory)
     if not root.is_dir():
         return []
-    entries = []
-    for child in root.iterdir():
-        step = parse_step(child.name)
-        if step is None or not child.is_dir():
-            continue
-        try:
-            entries.append(CheckpointEntry(step=step, path=child, record=read_commit_record(child)))
-        except CheckpointError as error:
-            entries.append(CheckpointEntry(step=step, path=child, problem=str(error)))
+    fence = read_fence(root)
+    entries = [
+        read_entry(child, fence) for child in root.iterdir() if parse_step(child.name) is not None and child.is_dir()
+    ]
     return sorted(entries, key=lambda entry: entry.step)
+
+
+def attempts(directory: str | os.PathLike) -> list[tuple[Path, AttemptName]]:
+    """Every attempt folder under ``directory``: saves in flight, and leftovers of saves that never committed."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [(child, parse_attempt(child.name)) for child in root.iterdir()]
+    return sorted(((path, name) for path, name in found if name is not None), key=lambda item: item[1])
 
 
 def folder_size(folder: Path) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -14,18 +13,25 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.checkpoint.stateful import Stateful
 
-from elastic.checkpoint.foreign_state import REGENERATE_METHOD, split_entries, summarize_keys
+from elastic.checkpoint.attempt import (
+    Attempt,
+    commit_attempt,
+    discard_attempt,
+    prepare_attempt,
+    round_from_env,
+    run_id_from_env,
+)
+from elastic.checkpoint.errors import CheckpointError
+from elastic.checkpoint.fence import Fence, claim
 from elastic.checkpoint.global_values import PerRankStateError, reject_per_rank_values
 from elastic.checkpoint.integrity import verify_readable
-from elastic.checkpoint.layout import CheckpointEntry, CheckpointError, read_commit_record, scan, step_dir, write_commit_record
-from elastic.checkpoint.reader import CheckpointReader
+from elastic.checkpoint.layout import scan, step_dir
+from elastic.checkpoint.loading import load_newest, state_dicts
 from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
 from elastic.checkpoint.writer import CheckpointWriter
@@ -46,10 +52,9 @@ class CheckpointConfig(BaseModel):
 
 @dataclass
 class _SaveInFlight:
-    step: int
-    folder: Path
+    attempt: Attempt
     upload: Future
-    committed: Future  # set by rank 0 once commit.json is durable; already done on other ranks
+    committed: Future  # set by rank 0 once the attempt is renamed to step-<N>; already done on other ranks
     started: float
 
 
@@ -67,12 +72,20 @@ class CheckpointManager:
         self.config = CheckpointConfig(
             directory=Path(directory), keep=keep, async_save=async_save, check_at_start=check_at_start
         )
+        # Which round saves (recorded in every commit), and the directory's epoch this manager claims
+        # at its first save; a newer manager's claim fences this one's commits out (fence.py).
+        # Read before the process group is made, so a bad ELASTIC_ROUND leaks nothing.
+        self._round = round_from_env()
+        self._run_id = run_id_from_env()
+        self._fence: Fence | None = None
         self._owns_group = process_group is None
         self._ranks = Ranks.dedicated(process_group)
         # One stager for the manager's life: it reuses its CPU copies, so staging after the first save is a memcpy.
         self._stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
         self._in_flight: _SaveInFlight | None = None
         self._closed = False
+        self._seen_at_load: set[str] | None = None  # commits load_latest listed; a claim admits only these
+        self._verified: set[str] = set()  # keys of checkpoints known readable, so retention checks each once
 
     @property
     def directory(self) -> Path:
@@ -82,26 +95,30 @@ class CheckpointManager:
         """Load the newest checkpoint committed and readable on every rank into ``state``, in place.
 
         Returns its step, or None when there is none (after saving step 0 unless ``check_at_start`` is off).
+        A committed checkpoint that no rank can read is set aside (``step-<N>.unreadable-<time>``) once
+        an older one loaded. Loading claims nothing, so a job that only loads never fences out a trainer.
         """
         self._ensure_open()
         self.wait()
-        entry = self._newest_loadable()
+        started = time.monotonic()
+        entry, self._seen_at_load = load_newest(self._ranks, self.directory, state)
         if entry is None:
             if self.config.check_at_start:
                 self._check_directory_at_start(state)
             return None
-        started = time.monotonic()
-        self._load(entry, state)
         logger.info(
             "loaded %s (saved by %d ranks, now %d) in %.2fs",
             entry.path, entry.record.world_size, self._ranks.world_size, time.monotonic() - started,
         )
+        self._verified.add(entry.key)
         return entry.step
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Save ``state`` as ``step``; returns once it is staged (async) or committed (sync).
 
-        Waits first for the save in flight, and raises its failure if it failed.
+        Waits first for the save in flight, and raises its failure if it failed. A manager's first
+        save claims the directory (fence.py): from then on, a save of a manager that claimed it
+        earlier (a worker of an older round) is refused at its commit and never loaded.
         """
         self._ensure_open()
         self.wait()
@@ -117,10 +134,10 @@ class CheckpointManager:
             in_flight.upload.result()
             in_flight.committed.result()
 
-        self._ranks.agree(finish, f"background save of step {in_flight.step} to {in_flight.folder}")
-        logger.info(
-            "committed %s, %.2fs after the save began", in_flight.folder, time.monotonic() - in_flight.started
-        )
+        attempt = in_flight.attempt
+        self._agree_or_discard(attempt, finish, f"background save of step {attempt.step} to {attempt.target}")
+        logger.info("committed %s, %.2fs after the save began", attempt.target, time.monotonic() - in_flight.started)
+        self._verified.add(attempt.id)
         self._prune()
 
     def close(self) -> None:
@@ -149,22 +166,35 @@ class CheckpointManager:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         started = time.monotonic()
-        state_dict = _state_dicts(state)
+        state_dict = state_dicts(state)
         reject_per_rank_values(state_dict, self._ranks)
-        folder = step_dir(self.directory, step)
-        if not self._ranks.agree(lambda: _prepare_folder(folder), f"preparing {folder}", only_rank0=True):
-            logger.warning("%s is already committed; not saving step %d again", folder, step)
+        if self._fence is None:
+            self._fence = self._ranks.agree(self._claim, f"claiming {self.directory} for this round's saves", only_rank0=True)
+        fence = self._fence
+        attempt = self._ranks.agree(
+            lambda: prepare_attempt(self.directory, step, fence), f"preparing step {step} in {self.directory}", only_rank0=True
+        )
+        if attempt is None:
+            logger.warning("%s is already committed; not saving step %d again", step_dir(self.directory, step), step)
             return
-        writer = CheckpointWriter(folder)
+        writer = CheckpointWriter(attempt.folder)
         planner = DefaultSavePlanner(enable_plan_caching=True)
         if not in_background:
-            dcp.save(
-                state_dict, storage_writer=writer, planner=planner, process_group=self._ranks.group, no_dist=self._single
+            try:
+                dcp.save(
+                    state_dict, storage_writer=writer, planner=planner, process_group=self._ranks.group, no_dist=self._single
+                )
+            except (Exception, CheckpointException):  # DCP raises it on every rank, once every rank stopped writing
+                self._discard(attempt)
+                raise
+            self._agree_or_discard(
+                attempt,
+                lambda: commit_attempt(attempt, self._ranks.world_size, writer.metadata_sha256),
+                f"committing {attempt.target}",
+                only_rank0=True,
             )
-            self._ranks.agree(
-                lambda: write_commit_record(folder, step, self._ranks.world_size), f"committing {folder}", only_rank0=True
-            )
-            logger.info("saved and committed %s in %.2fs", folder, time.monotonic() - started)
+            logger.info("saved and committed %s in %.2fs", attempt.target, time.monotonic() - started)
+            self._verified.add(attempt.id)
             self._prune()
             return
         upload = dcp.async_save(
@@ -178,18 +208,43 @@ class CheckpointManager:
         )
         committed: Future = Future()
         if self._ranks.rank == 0:
-            upload.add_done_callback(lambda done: self._commit_after_upload(done, folder, step, committed))
+            upload.add_done_callback(lambda done: self._commit_after_upload(done, attempt, writer, committed))
         else:
             committed.set_result(None)
-        self._in_flight = _SaveInFlight(step, folder, upload, committed, started)
-        logger.info("staged step %d in %.2fs; writing %s in the background", step, time.monotonic() - started, folder)
+        self._in_flight = _SaveInFlight(attempt, upload, committed, started)
+        logger.info("staged step %d in %.2fs; writing %s in the background", step, time.monotonic() - started, attempt.folder)
 
-    def _commit_after_upload(self, upload: Future, folder: Path, step: int, committed: Future) -> None:
+    def _claim(self) -> Fence:
+        """Claim the directory (rank 0); the commits it keeps counting are those load_latest listed, if it ran."""
+        seen = self._seen_at_load
+
+        def admitted() -> set[str]:
+            valid = {entry.key for entry in scan(self.directory) if entry.committed}
+            return valid if seen is None else valid & seen
+
+        return claim(self.directory, self._round, self._run_id, admitted)
+
+    def _agree_or_discard(self, attempt: Attempt, action: Any, what: str, only_rank0: bool = False) -> None:
+        try:
+            self._ranks.agree(action, what, only_rank0=only_rank0)
+        except RankFailure:
+            self._discard(attempt)
+            raise
+
+    def _discard(self, attempt: Attempt) -> None:
+        if self._ranks.rank != 0:
+            return
+        try:
+            discard_attempt(attempt)
+        except OSError as error:
+            logger.warning("could not delete %s, the folder of a failed save: %s", attempt.folder, error)
+
+    def _commit_after_upload(self, upload: Future, attempt: Attempt, writer: CheckpointWriter, committed: Future) -> None:
         # Runs on rank 0's writer thread as soon as every rank's data and DCP's metadata are on disk,
         # so the checkpoint is committed even if training never calls wait() again.
         try:
             upload.result()
-            write_commit_record(folder, step, self._ranks.world_size)
+            commit_attempt(attempt, self._ranks.world_size, writer.metadata_sha256)
         except BaseException as error:  # handed to wait(), which raises it on every rank
             committed.set_exception(error)
         else:
@@ -199,55 +254,9 @@ class CheckpointManager:
         if self._ranks.rank != 0:
             return
         try:
-            prune(self.directory, self.config.keep)
-        except OSError as error:
+            prune(self.directory, self.config.keep, self._verified)
+        except (OSError, CheckpointError) as error:
             logger.warning("could not delete old checkpoints in %s: %s", self.directory, error)
-
-    def _newest_loadable(self) -> CheckpointEntry | None:
-        entries = self._ranks.agree(lambda: scan(self.directory), f"listing {self.directory}", only_rank0=True)
-        if self._ranks.rank == 0:
-            for entry in entries:
-                if not entry.committed:
-                    logger.warning("skipping torn checkpoint %s: %s", entry.path, entry.problem)
-        committed = [entry for entry in entries if entry.committed]
-        for entry in reversed(committed):
-            try:
-                self._ranks.agree(lambda: verify_readable(entry.path), f"checking {entry.path}")
-                return entry
-            except RankFailure as error:
-                if self._ranks.rank == 0:
-                    logger.warning("skipping checkpoint %s: %s", entry.path, error)
-        if committed:
-            raise CheckpointError(
-                f"none of the {len(committed)} committed checkpoints in {self.directory} can be read on every rank "
-                "(see the warnings above); fix the storage, or move them away to start from scratch"
-            )
-        return None
-
-    def _load(self, entry: CheckpointEntry, state: dict[str, Any]) -> None:
-        state_dicts = _state_dicts(state)
-        metadata = FileSystemReader(entry.path).read_metadata()
-        to_regenerate = split_entries(state, state_dicts, metadata.state_dict_metadata, entry.path)
-        loadable = {name: value for name, value in state_dicts.items() if name not in to_regenerate}
-        dcp.load(
-            loadable,
-            storage_reader=CheckpointReader(entry.path),
-            planner=DefaultLoadPlanner(),
-            process_group=self._ranks.group,
-            no_dist=self._single,
-        )
-        for name, loaded in loadable.items():
-            if isinstance(state[name], Stateful):
-                state[name].load_state_dict(loaded)
-            else:
-                state[name] = loaded
-        for name, foreign_keys in to_regenerate.items():
-            getattr(state[name], REGENERATE_METHOD)(entry.step)
-            if self._ranks.rank == 0:
-                logger.warning(
-                    "%s holds %s for state entry %r, not its keys; regenerated %r from global step %d",
-                    entry.path, summarize_keys(foreign_keys) or "nothing", name, name, entry.step,
-                )
 
     def _check_directory_at_start(self, state: dict[str, Any]) -> None:
         started = time.monotonic()
@@ -267,21 +276,3 @@ class CheckpointManager:
             "step-0 checkpoint check of %s passed in %.2fs (%d ranks wrote and read it back)",
             self.directory, time.monotonic() - started, self._ranks.world_size,
         )
-
-
-def _state_dicts(state: dict[str, Any]) -> dict[str, Any]:
-    """Each entry's state dict; entries that are not Stateful are plain state already."""
-    return {name: value.state_dict() if isinstance(value, Stateful) else value for name, value in state.items()}
-
-
-def _prepare_folder(folder: Path) -> bool:
-    """Make ``folder`` ready for a new save; False when it is already committed, which is never touched."""
-    if folder.exists():
-        try:
-            read_commit_record(folder)
-            return False
-        except CheckpointError as torn:
-            logger.warning("clearing %s before saving into it: %s", folder, torn)
-            shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    return True

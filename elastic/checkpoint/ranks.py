@@ -38,6 +38,15 @@ class Ranks:
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
+    def problems(self, action: Callable[[], object]) -> list[str | None]:
+        """Run ``action`` on every rank; every rank gets each rank's error (one line), or None where it passed."""
+        problem: str | None = None
+        try:
+            action()
+        except (Exception, CheckpointException) as exc:  # gathered, so every rank decides alike
+            problem = describe_error(exc)
+        return self.gather(problem)
+
     def agree(self, action: Callable[[], T], what: str, only_rank0: bool = False) -> T:
         """Run ``action`` on every rank (or on rank 0 only) and return rank 0's result on every rank.
 

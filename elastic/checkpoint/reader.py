@@ -4,6 +4,9 @@ DCP's FileSystemReader deserialises a whole saved chunk and then narrows it, so 
 of a 4-rank checkpoint reads twice the bytes it keeps. A chunk is one torch.save'd contiguous tensor,
 so a slice along dim 0 is one byte range of its storage record; this reader reads just that range.
 Anything else (objects, slices along other dims, transformed records) goes through DCP's own path.
+
+A failure while reading or decoding the data is raised as UnreadableDataError, so the manager can
+tell a damaged checkpoint (set aside, load the previous one) from a state that does not fit it.
 """
 
 from __future__ import annotations
@@ -19,9 +22,21 @@ from torch.distributed.checkpoint.filesystem import _create_file_view
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from elastic.checkpoint.errors import UnreadableDataError
+
 
 class CheckpointReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # Planning (keys, shapes) is over by now: what fails here are the bytes on disk.
+        try:
+            return self._read_data(plan, planner)
+        except Exception as error:  # torch.load and unpickling of damaged bytes raise anything
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            raise UnreadableDataError(
+                f"{self.path} cannot be read: {type(error).__name__}: {first_line}"
+            ) from error
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_file: dict[str, list[ReadItem]] = {}
         for request in plan.items:
             by_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
