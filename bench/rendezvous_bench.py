@@ -166,39 +166,6 @@ class SharedKeepAliveClient:
             time.sleep(0.1)
 
 
-def apply_watch_revision_fix() -> None:
-    """--fix-watch-revision: the proposed fix of RangeMirror._on_response, patched in for a measurement.
-
-    launcher/watch.py advances the mirror's revision to each watch response's HEADER revision. When etcd replays
-    history to a watcher that fell behind (a slow watcher under a burst of writes, or a watch resumed after a
-    broken stream) it sends at most 1000 revisions of events per response, each with the store's CURRENT
-    revision in its header: the mirror then drops every later batch as "already applied". The fix advances the
-    revision by the events applied, and by the header only for a response without events.
-    """
-    from launcher import etcd_client
-    from launcher.watch import Entry, RangeMirror
-
-    def _on_response(self, response) -> None:
-        if isinstance(response, Exception):
-            self._lost_stream(response)
-            return
-        with self._changed:
-            newest = self.revision
-            for event in response.events:
-                key = event.key.decode()[len(self.prefix) :]
-                if event.mod_revision <= self.revision:
-                    continue  # already applied: a resumed watch may repeat what a reload read
-                if isinstance(event, etcd_client.DeleteEvent):
-                    self._entries.pop(key, None)
-                else:
-                    self._entries[key] = Entry(event.value, event.mod_revision)
-                newest = max(newest, event.mod_revision)
-            self.revision = newest if response.events else max(self.revision, response.header.revision)
-            self._bump()
-
-    RangeMirror._on_response = _on_response
-
-
 def host_main(index: int, spec: dict, conn, events) -> None:
     """Entry point of one host process (spawned): runs its agents and answers the coordinator's commands."""
     # Imports here: the coordinator never imports grpc before spawning.
@@ -219,9 +186,6 @@ def host_main(index: int, spec: dict, conn, events) -> None:
     from launcher.agent import Agent
     from launcher.config import LaunchConfig, RendezvousSettings
     from launcher.workers import WorkerOutcome
-
-    if spec["fix_watch_revision"]:
-        apply_watch_revision_fix()
 
     host = HostState(index, events)
 
@@ -476,7 +440,7 @@ class KeyWatch:
         self.deleted_at: float | None = None
         self.rounds: dict[int, float] = {}
         from launcher import etcd_client
-        from launcher.records import RoundRecord
+        from launcher.records import RoundHeader
 
         def on_node(response) -> None:
             if isinstance(response, Exception):
@@ -490,7 +454,7 @@ class KeyWatch:
                 return
             for event in response.events:
                 if isinstance(event, etcd_client.PutEvent):
-                    self.rounds.setdefault(RoundRecord.loads(event.value).round, time.time())
+                    self.rounds.setdefault(RoundHeader.loads(event.value).round, time.time())
 
         self.ids = [client.add_watch_callback(node_key, on_node), client.add_watch_callback(round_key, on_round)]
 
@@ -579,7 +543,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
     from launcher import etcd_client
     from launcher.etcd_server import EtcdServer
     from launcher.protocol import JobKeys
-    from launcher.records import RoundRecord
+    from launcher.records import MemberBucket, RoundHeader, RoundRecord
 
     ttl = max(1, math.ceil(args.keep_alive_interval * LEASE_ATTEMPTS))
     workdir = tempfile.mkdtemp(prefix=f"rdzv-bench-{n}-")
@@ -594,9 +558,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         slices = plan_hosts(n, args.agents_per_process)
         holdback = slices[-1][-1]
         spec = {"endpoint": etcd.endpoint, "rdzv_id": rdzv_id, "n": n, "workdir": workdir, "holdback": holdback,
-                "keep_alive_interval": args.keep_alive_interval, "start_rate": args.start_rate, "keepalive": args.keepalive, "fix_watch_revision": args.fix_watch_revision,
+                "keep_alive_interval": args.keep_alive_interval, "start_rate": args.start_rate, "keepalive": args.keepalive,
                 "log_level": args.log_level}  # fmt: skip
-        result.update(keepalive=args.keepalive, fix_watch_revision=args.fix_watch_revision, processes=len(slices), agents_per_process=max(len(s) for s in slices))
+        result.update(keepalive=args.keepalive, processes=len(slices), agents_per_process=max(len(s) for s in slices))
         logger.info("N=%d: %d host process(es) x <= %d agents, etcd %s", n, len(slices), result["agents_per_process"],
                     etcd.endpoint)  # fmt: skip
         hosts = Hosts(spec, slices, deadline_s=args.host_deadline)
@@ -671,7 +635,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         holder_raw, _ = client.get(keys.controller)
         controller = holder_raw.decode().split("#")[0]
         round_raw, _ = client.get(keys.round)
-        order = RoundRecord.loads(round_raw).nodes
+        header = RoundHeader.loads(round_raw)
+        buckets = [MemberBucket.loads(raw) for raw, _ in client.get_prefix(keys.members_prefix(header.round))]
+        order = RoundRecord.assemble(header, buckets).nodes  # group-rank order
         victim = next(node for node in order[len(order) // 2 :] + order[1:] if node != controller)
         result.update(controller=controller, victim=victim)
         watch = KeyWatch(client, keys.node(victim), keys.round)
@@ -721,7 +687,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                 result["etcd_at_error"] = {
                     "nodes": client.get_prefix_response(keys.nodes, count_only=True).count,
                     "controller": holder_raw.decode() if holder_raw else None,
-                    "round": RoundRecord.loads(round_raw).round if round_raw else None,
+                    "round": RoundHeader.loads(round_raw).round if round_raw else None,
                     "keys": client.get_prefix_response(keys.prefix, count_only=True).count,
                 }  # fmt: skip
                 logger.error("  etcd: %s", result["etcd_at_error"])
@@ -859,8 +825,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="shared: the agents of a host refresh their leases on one stream (default); real: "
                              "pyetcd's stream + thread per refresh, as one elastic-run agent does (see "
                              "SharedKeepAliveClient)")  # fmt: skip
-    parser.add_argument("--fix-watch-revision", action="store_true",
-                        help="patch the proposed RangeMirror fix into the hosts (see apply_watch_revision_fix)")
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="idle measurement window (default 10)")
     parser.add_argument("--start-rate", type=float, default=200.0,
                         help="agents started per second per host process before round 0 (default 200; 0: all at once)")
