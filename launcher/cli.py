@@ -206,7 +206,7 @@ def run(config: LaunchConfig) -> int:
         try:
             return Agent(config, client).run()
         finally:
-            client.close()
+            etcd_client.close(client)
     finally:
         if server is not None:
             server.stop()

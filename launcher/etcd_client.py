@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, TypeVar
 
 import grpc
@@ -68,6 +69,13 @@ def connect(spec: str, timeout: float = 3.0) -> EtcdClient:
         for host, port in parse_endpoints(spec)
     ]
     return etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, failover=True)
+
+
+def close(client: EtcdClient, timeout_s: float = 2.0) -> None:
+    """Close `client` without hanging the caller: closing a dead watch stream can block in the client library."""
+    closer = threading.Thread(target=client.close, name="etcd-close", daemon=True)
+    closer.start()
+    closer.join(timeout=timeout_s)
 
 
 def check_reachable(client: EtcdClient, spec: str, deadline_s: float = 5.0) -> None:

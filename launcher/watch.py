@@ -50,10 +50,17 @@ class RangeMirror:
             watch_id, self._watch_id = self._watch_id, None
             self._changed.notify_all()
         if watch_id is not None:
-            try:
-                self.client.cancel_watch(watch_id)
-            except Exception as exc:  # the stream may already be gone; nothing is left to cancel then
-                logger.debug("cancelling watch on %s: %s", self.prefix, exc)
+            # the client queues a cancel request for its stream thread, and blocks when a dead stream's queue is
+            # full: an agent must be able to exit whatever state the stream is in
+            canceller = threading.Thread(target=self._cancel, args=(watch_id,), name="watch-cancel", daemon=True)
+            canceller.start()
+            canceller.join(timeout=1.0)
+
+    def _cancel(self, watch_id) -> None:
+        try:
+            self.client.cancel_watch(watch_id)
+        except Exception as exc:  # the stream may already be gone; nothing is left to cancel then
+            logger.debug("cancelling watch on %s: %s", self.prefix, exc)
 
     def snapshot(self) -> tuple[dict[str, Entry], int, int]:
         """(entries by key relative to the prefix, revision, version), consistent with each other."""

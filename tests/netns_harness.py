@@ -206,10 +206,9 @@ class PartitionNetwork(Network):
     - an observer namespace at 10.77.1.250 that no test cuts: readiness checks, etcdctl, `elastic-run log`.
 
     Cuts are made where a real network fails, on the switch: a port set down drops every frame through it in
-    both directions without a word (no RST, no ICMP), so open TCP connections hang as they would when a cable or
-    a switch fails. `cut_pair` is the exception: a blackhole route each way inside the two nodes, since one
-    switch port carries a node's traffic to every peer; packets of open connections vanish silently, new
-    connections between the two fail at once (EINVAL) instead of timing out.
+    both directions without a word (no RST, no ICMP), so open TCP connections hang and new ones time out, as
+    when a cable or a switch fails. `cut_pair` drops only the frames between two nodes, in the switch too where
+    the kernel allows (see there).
     """
 
     def __init__(self, nodes: int, root: Path, etcd_members: int = 1) -> None:
@@ -229,7 +228,7 @@ class PartitionNetwork(Network):
             shutil.rmtree(self._etcd_data, ignore_errors=True)
             self._etcd_data = Path(tempfile.mkdtemp(prefix="elastic-netns-etcd-", dir=shm))
         self.cut_links: set[str] = set()  # switch ports now down
-        self.blackholes: list[tuple[str, str]] = []  # (namespace, address) routes now in place
+        self.blackholes: list[tuple[str, str]] = []  # (namespace, address): blackhole/unreachable routes in place
 
     @property
     def namespaces(self) -> list[str]:
@@ -325,7 +324,7 @@ class PartitionNetwork(Network):
         for status in statuses:
             j = next(k for k in range(len(self.member_addrs)) if self.member_endpoint(k) in status["Endpoint"])
             body = status["Status"]
-            found[j] = {"id": body["header"]["member_id"], "leader": body["leader"], "term": body.get("raftTerm")}
+            found[j] = {"id": body["header"]["member_id"], "leader": body.get("leader", 0), "term": body.get("raftTerm")}
         return found
 
     def etcd_leader(self, members: list[int] | None = None) -> int | None:
@@ -384,22 +383,63 @@ class PartitionNetwork(Network):
     def heal_member(self, member: int) -> None:
         self._set_port(_member_port(member), True)
 
-    def cut_pair(self, a: int, b: int) -> None:
-        """Nodes `a` and `b` no longer reach each other on the peer LAN; both still reach etcd and other peers."""
+    def cut_pair(self, a: int, b: int, how: str = "drop") -> str:
+        """Nodes `a` and `b` no longer reach each other on the peer LAN; both still reach etcd and the other peers.
+
+        how="drop": a broken path. Where the kernel has them (htb, u32 and the blackhole qdisc; tc is part of
+        iproute2, like ip) the switch drops their frames to each other: silent both ways, open connections hang
+        and a new connect times out. Elsewhere a blackhole route each way inside the two nodes: open connections
+        hang the same, but a new connect fails at once (EINVAL). Returns "switch" or "blackhole route".
+        how="reject": a firewall that refuses them: an unreachable route each way inside the two nodes; open
+        connections hang, a new connect fails at once with EHOSTUNREACH. Returns "unreachable route".
+        """
+        if how == "drop":
+            try:
+                for src, dst in ((a, b), (b, a)):
+                    self._drop_at_switch(_peer_port(dst), self.node_addrs[src])
+                return "switch"
+            except subprocess.CalledProcessError:
+                self._undrop_at_switch(_peer_port(a))
+                self._undrop_at_switch(_peer_port(b))
+        kind = {"drop": "blackhole", "reject": "unreachable"}[how]
         for ns, addr in ((self.node_ns[a], self.node_addrs[b]), (self.node_ns[b], self.node_addrs[a])):
-            _ip("-n", ns, "route", "add", "blackhole", f"{addr}/32")
+            _ip("-n", ns, "route", "add", kind, f"{addr}/32")
             self.blackholes.append((ns, addr))
+        return f"{kind} route"
 
     def heal_pair(self, a: int, b: int) -> None:
+        self._undrop_at_switch(_peer_port(a))
+        self._undrop_at_switch(_peer_port(b))
         for ns, addr in ((self.node_ns[a], self.node_addrs[b]), (self.node_ns[b], self.node_addrs[a])):
-            _ip("-n", ns, "route", "del", "blackhole", f"{addr}/32", check=False)
             if (ns, addr) in self.blackholes:
+                _ip("-n", ns, "route", "del", f"{addr}/32", check=False)
                 self.blackholes.remove((ns, addr))
+
+    def _tc(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", self.switch_ns, "tc", *args], capture_output=True, text=True,
+                              check=check, timeout=30)  # fmt: skip
+
+    def _drop_at_switch(self, port: str, src_addr: str) -> None:
+        """Frames leaving the switch through `port` that come from `src_addr` go to a blackhole qdisc."""
+        self._tc("qdisc", "replace", "dev", port, "root", "handle", "1:", "htb", "default", "1", "r2q", "10000")
+        self._tc("class", "replace", "dev", port, "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit")
+        self._tc("class", "replace", "dev", port, "parent", "1:", "classid", "1:2", "htb", "rate", "10gbit")
+        self._tc("qdisc", "replace", "dev", port, "parent", "1:2", "handle", "20:", "blackhole")
+        self._tc("filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+                 "src", f"{src_addr}/32", "flowid", "1:2")  # fmt: skip
+        self.cut_links.add(f"tc:{port}")
+
+    def _undrop_at_switch(self, port: str) -> None:
+        self._tc("qdisc", "del", "dev", port, "root", check=False)
+        self.cut_links.discard(f"tc:{port}")
 
     def heal_all(self) -> None:
         for port in sorted(self.cut_links):
-            _ip("-n", self.switch_ns, "link", "set", port, "up", check=False)
+            if port.startswith("tc:"):
+                self._undrop_at_switch(port.removeprefix("tc:"))
+            else:
+                _ip("-n", self.switch_ns, "link", "set", port, "up", check=False)
         self.cut_links.clear()
         for ns, addr in list(self.blackholes):
-            _ip("-n", ns, "route", "del", "blackhole", f"{addr}/32", check=False)
+            _ip("-n", ns, "route", "del", f"{addr}/32", check=False)
         self.blackholes.clear()
