@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAKE_S = 5.0  # a local re-check while nothing changes and no deadline is due; costs etcd nothing
 _LOG_SYNC_EVERY_S = 0.5
+# Reading the whole view costs O(nodes); at thousands of nodes a storm of changes (every agent acknowledging a
+# round) would keep the controller's process busy re-reading it. Pausing this many times the last read's cost
+# before the next one batches the storm and caps the controller at a fraction of a core.
+_PAUSE_PER_READ = 4.0
+_MAX_PAUSE_S = 0.25
 
 
 def settings_from(config: LaunchConfig) -> Settings:
@@ -76,8 +81,10 @@ class Controller:
         now = time.monotonic()
         clock = Clock(leading_since=now, wall_offset=time.time() - now)
         while not stop.is_set():
+            started = time.monotonic()
             entries, revision, version = mirror.snapshot()
             view = self._parser.parse(entries, revision)
+            read_cost = time.monotonic() - started
             if view.controller != self.holder.encode():
                 logger.info("%s no longer controls job %s", self.holder.node, self.settings.rdzv_id)
                 return
@@ -91,6 +98,7 @@ class Controller:
                     return
                 timeout = _IDLE_WAKE_S if decision.until is None else min(_IDLE_WAKE_S, decision.until - now)
                 mirror.wait(version, max(timeout, 0.0))
+                stop.wait(min(_MAX_PAUSE_S, _PAUSE_PER_READ * read_cost))
                 continue
             try:
                 self._apply(decision, view)

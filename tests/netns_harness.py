@@ -14,6 +14,7 @@ namespaces and their /etc/netns files, even after a failed test; the processes a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -203,7 +204,7 @@ class PartitionNetwork(Network):
     - node i: `eth0` = 10.77.0.(i+2) on the peer LAN (advertise it with --local-addr: gloo and the TCPStore use
       it), `eth1` = 10.77.1.(i+2) on the etcd LAN;
     - etcd member j: 10.77.1.(101+j), clients on 2379, peers on 2380;
-    - an observer namespace at 10.77.1.250 that no test cuts: readiness checks, etcdctl, `elastic-run log`.
+    - an observer namespace at 10.77.1.250 that no test cuts: readiness checks and etcdctl run there.
 
     Cuts are made where a real network fails, on the switch: a port set down drops every frame through it in
     both directions without a word (no RST, no ICMP), so open TCP connections hang and new ones time out, as
@@ -273,7 +274,7 @@ class PartitionNetwork(Network):
         """One etcd member per member namespace, one cluster; returns once every member reports healthy."""
         peers = ",".join(f"{name}=http://{addr}:{ETCD_PORT + 1}"
                          for name, addr in zip(self.member_names, self.member_addrs))  # fmt: skip
-        for j, (ns, name, addr) in enumerate(zip(self.member_ns, self.member_names, self.member_addrs)):
+        for ns, name, addr in zip(self.member_ns, self.member_names, self.member_addrs):
             client_url, peer_url = f"http://{addr}:{ETCD_PORT}", f"http://{addr}:{ETCD_PORT + 1}"
             command = [
                 find_etcd_binary(), "--name", name, "--data-dir", str(self._etcd_data / name),
@@ -292,8 +293,8 @@ class PartitionNetwork(Network):
             "    while True:\n"
             "        try:\n"
             "            if json.loads(urllib.request.urlopen(url, timeout=1).read())['health'] == 'true': break\n"
-            "        except (OSError, ValueError, KeyError) as exc:\n"
-            "            error = exc\n"
+            "        except (OSError, ValueError, KeyError):\n"
+            "            pass\n"
             "        if time.monotonic() > deadline: sys.exit(f'{url} not healthy')\n"
             "        time.sleep(0.2)\n"
         )
@@ -310,8 +311,6 @@ class PartitionNetwork(Network):
     # -- what etcd says, asked from the observer ------------------------------------------------------------------
     def etcd_status(self, members: list[int] | None = None) -> dict[int, dict]:
         """member index -> {"id", "leader", "term"} for each member that answered within a second."""
-        import json
-
         members = range(len(self.member_addrs)) if members is None else members
         endpoints = ",".join(f"http://{self.member_endpoint(j)}" for j in members)
         result = self.run_in(self.observer_ns, [find_etcdctl(), "--endpoints", endpoints, "--command-timeout", "1s",
@@ -324,7 +323,8 @@ class PartitionNetwork(Network):
         for status in statuses:
             j = next(k for k in range(len(self.member_addrs)) if self.member_endpoint(k) in status["Endpoint"])
             body = status["Status"]
-            found[j] = {"id": body["header"]["member_id"], "leader": body.get("leader", 0), "term": body.get("raftTerm")}
+            found[j] = {"id": body["header"]["member_id"], "leader": body.get("leader", 0),
+                        "term": body.get("raftTerm")}  # fmt: skip
         return found
 
     def etcd_leader(self, members: list[int] | None = None) -> int | None:
@@ -348,6 +348,8 @@ class PartitionNetwork(Network):
     def etcd_connections(self, node: int) -> set[int]:
         """The etcd members node `node` holds an established client connection to (its agent's current endpoint)."""
         result = self.run_in(self.node_ns[node], ["ss", "-tnH", "state", "established", f"( dport = :{ETCD_PORT} )"])
+        if result.returncode != 0:
+            raise RuntimeError(f"ss (iproute2) failed in {self.node_ns[node]}: {result.stderr.strip()}")
         found = set()
         for line in result.stdout.splitlines():
             fields = line.split()  # Recv-Q Send-Q local peer; gRPC's sockets are IPv6 with v4-mapped addresses
