@@ -63,6 +63,7 @@ class Controller:
         self.log = log
         self._parser = ViewParser(store.keys.state, store.keys.state)
         self._last_log_sync = 0.0
+        self._synced_version = -1  # the mirror version whose events membership.jsonl has: idle costs no reads
 
     def run(self, stop: threading.Event) -> None:
         """Lead until the job ends, `stop` is set, or another holder appears; never raises."""
@@ -91,10 +92,10 @@ class Controller:
             now = time.monotonic()
             clock = track(view, clock, now, self.settings)
             decision = decide(view, clock, now, self.settings)
-            self._sync_log()
+            self._sync_log(version)
             if isinstance(decision, Wait):
                 if view.status is not None:
-                    self._sync_log(force=True)
+                    self._sync_log(version, force=True)
                     return
                 timeout = _IDLE_WAKE_S if decision.until is None else min(_IDLE_WAKE_S, decision.until - now)
                 mirror.wait(version, max(timeout, 0.0))
@@ -109,13 +110,16 @@ class Controller:
             # our own write comes back through the watch; deciding again before it did would repeat it
             mirror.wait(version, 1.0)
 
-    def _sync_log(self, force: bool = False) -> None:
+    def _sync_log(self, version: int | None = None, force: bool = False) -> None:
+        """Copy new events to membership.jsonl: events come with state changes, so an unchanged view has none."""
         now = time.monotonic()
-        if not force and now - self._last_log_sync < _LOG_SYNC_EVERY_S:
+        if not force and (version == self._synced_version or now - self._last_log_sync < _LOG_SYNC_EVERY_S):
             return
         self._last_log_sync = now
         try:
             self.log.sync(self.store.client, self.store.keys.events)
+            if version is not None:
+                self._synced_version = version
         except Exception as exc:
             logger.debug("membership log mirror failed: %s", exc)
 
