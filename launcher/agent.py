@@ -348,6 +348,7 @@ class Agent:
         self._stop_workers()
         self.keeper.stop()
         self.run_ = None
+        self._fenced = False  # that incarnation ends here: a fence still pending would revoke the new one's lease
         self._join()
 
     def _leave(self, signum: int) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
 from typing import Callable, TypeVar
 
 import grpc
@@ -11,11 +13,17 @@ import tenacity
 
 try:  # etcd-sdk-python: the maintained, API-identical fork of python-etcd3
     import pyetcd as etcd3
+    from pyetcd import etcdrpc
     from pyetcd import events as etcd_events
     from pyetcd import exceptions as etcd_exceptions
+    from pyetcd import watch as etcd_watch
+    from pyetcd.client import _EXCEPTIONS_BY_CODE, _FAILED_EP_CODES
 except ImportError:  # pragma: no cover - exercised only where python-etcd3 is what is installed
     import etcd3  # type: ignore[no-redef]
+    from etcd3 import etcdrpc  # type: ignore[no-redef]
     from etcd3 import events as etcd_events  # type: ignore[no-redef]
+    from etcd3 import watch as etcd_watch  # type: ignore[no-redef]
+    from etcd3.client import _EXCEPTIONS_BY_CODE, _FAILED_EP_CODES  # type: ignore[no-redef]
     from etcd3 import exceptions as etcd_exceptions  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
@@ -32,9 +40,15 @@ _GRPC_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # A member cut off silently (no RST, no ICMP) leaves an open stream, the watch, hanging for good: ping it.
+    # etcd answers pings more often than its --grpc-keepalive-min-time (5 s by default) with GOAWAY too_many_pings;
+    # the watch stream is always open, so no permit_without_calls; max_pings_without_data=0 keeps pinging while no
+    # watch event arrives.
+    ("grpc.keepalive_time_ms", 6000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
-# The client marks a failed endpoint unusable for this long (its default, 300 s, outlasts any lease).
-_ENDPOINT_RETRY_S = 0.2
 
 T = TypeVar("T")
 
@@ -62,13 +76,84 @@ def parse_endpoints(spec: str) -> list[tuple[str, int]]:
     return endpoints
 
 
+class _RecordingWatchStub:
+    """Hands the Watch call it makes to its watcher, so that the watcher can cancel it."""
+
+    def __init__(self, stub, watcher: "_CancellingWatcher") -> None:
+        self._stub, self._watcher = stub, watcher
+
+    def Watch(self, *args, **kwargs):
+        call = self._stub.Watch(*args, **kwargs)
+        self._watcher.call = call
+        return call
+
+
+class _CancellingWatcher(etcd_watch.Watcher):
+    """pyetcd's Watcher.close, which the client calls when it fails over, only half-closes the stream (and blocks
+    on a dead stream's full request queue): the watches on it stay on the old endpoint and their callbacks never
+    hear of it. Cancelling the call ends them with CANCELLED, so RangeMirror resumes them where the client is now."""
+
+    call = None
+
+    def __init__(self, watchstub, **kwargs) -> None:
+        super().__init__(_RecordingWatchStub(watchstub, self), **kwargs)
+
+    def close(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        with self._lock:
+            if self._callback_thread and not self._stopping:
+                try:
+                    self._request_queue.put_nowait(None)
+                except queue.Full:
+                    pass
+
+
+class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
+    """Fails over as soon as a call fails, to the endpoint that failed least recently: a silently dead member is
+    not tried again while another one has not failed, and no call is refused for want of an unfailed endpoint."""
+
+    def get_watcher(self):
+        return _CancellingWatcher(etcdrpc.WatchStub(self.channel), timeout=self.timeout,
+                                  call_credentials=self.call_credentials, metadata=self.metadata)  # fmt: skip
+
+    @property
+    def channel(self):
+        return self.endpoint_in_use.channel  # _manage_grpc_errors moves on; nothing to decide here
+
+    def _manage_grpc_errors(self, exc):
+        code = exc.code()
+        if code in _FAILED_EP_CODES and len(self.endpoints) > 1:
+            failed = self._current_endpoint_label
+            self.endpoints[failed].last_failed = time.monotonic()
+            others = [label for label in self.endpoints if label != failed]
+            self._current_endpoint_label = min(others, key=lambda label: self.endpoints[label].last_failed)
+            self._clear_old_stubs()  # cancels the old watcher: its watches resume on the new endpoint
+            logger.info("etcd endpoint %s failed (%s); using %s", failed, code.name, self._current_endpoint_label)
+        exception = _EXCEPTIONS_BY_CODE.get(code)
+        if exception is None:
+            raise exc
+        raise exception() from exc
+
+
+def refresh_lease(lease, timeout: float):
+    """One keep-alive of `lease` under its own deadline (the client's, for every call, outlasts a fence's budget)."""
+    client = lease.etcd_client
+    request = etcdrpc.LeaseKeepAliveRequest(ID=lease.id)
+    try:
+        return list(client.leasestub.LeaseKeepAlive(iter([request]), timeout, credentials=client.call_credentials,
+                                                    metadata=client.metadata))  # fmt: skip
+    except grpc.RpcError as exc:
+        client._manage_grpc_errors(exc)
+
+
 def connect(spec: str, timeout: float = 3.0) -> EtcdClient:
     """A client for the endpoints in `spec` that fails over between them and recovers within a second."""
     endpoints = [
-        etcd3.Endpoint(host, port, secure=False, time_retry=_ENDPOINT_RETRY_S, opts=_GRPC_OPTIONS)
+        etcd3.Endpoint(host, port, secure=False, opts=_GRPC_OPTIONS)
         for host, port in parse_endpoints(spec)
     ]
-    return etcd3.MultiEndpointEtcd3Client(endpoints=endpoints, timeout=timeout, failover=True)
+    return _FailoverClient(endpoints=endpoints, timeout=timeout, failover=True)
 
 
 def close(client: EtcdClient, timeout_s: float = 2.0) -> None:

@@ -43,7 +43,9 @@ class LeaseKeeper:
         while not self._stop.wait(self.interval):
             sent = time.monotonic()  # etcd restarts the TTL no earlier than it receives the refresh
             try:
-                responses = self.lease.refresh()
+                # a refresh stuck on a dead member, or forwarded by a follower to a dead leader, is given up after
+                # one interval and sent again (elsewhere), rather than eating the client's 3 s of the fence's budget
+                responses = etcd_client.refresh_lease(self.lease, timeout=self.interval)
             except Exception as exc:
                 if not etcd_client.is_transient(exc):
                     logger.warning("lease %x refresh refused: %s", self.lease.id, exc)

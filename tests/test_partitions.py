@@ -1,0 +1,447 @@
+"""Network partitions (issue 8): real agents in network namespaces, links cut and healed while a job runs.
+
+Every node has two links (see `netns_harness.PartitionNetwork`): eth0 to its peers (gloo, the TCPStore; the
+agents advertise it with --local-addr) and eth1 to the etcd LAN, so a test can cut a node from everything, from
+etcd only, or from one peer only, and cut etcd members from everyone. Cuts are silent, as real ones are: a
+switch port set down (or a drop rule in the switch) loses frames both ways, no RST, no ICMP; only case 4's
+"reject" variant refuses connections instead, as a firewall would.
+
+Each node runs one worker of `examples/collective_probe.py`, logging every completed collective to a file of its
+own, so a test sees when which node trained at which world size. The seconds from each fault to the first
+collective completed afterwards, and what the faulty node's agent logged, are printed (run with -s to see them)
+as lines starting with PARTITION. PARTITION_LOGLEVEL=DEBUG gives the agents' etcd retries too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from netns_harness import PartitionNetwork, unavailable_reason
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = REPO / "examples" / "collective_probe.py"
+# lease TTL 2 s (0.5 s x 3, rounded up): an agent that etcd has not answered for 1.5 s fences itself
+FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=60"
+# lease TTL 6 s: fencing only after 5 s without etcd
+SLOW_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=6,last_call_timeout=1,join_timeout=60"
+FENCE_TEXT = "killing the workers before the job moves on without them"
+STEP_TIME = 0.05
+# where `python -m launcher.cli` is imported from: set PARTITION_LAUNCHER_ROOT to a directory holding a modified copy
+# of launcher/ to try a change against these cases without touching the tree
+LAUNCHER_ROOT = Path(os.environ.get("PARTITION_LAUNCHER_ROOT", REPO))
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def make_network(tmp_path):
+    """Builds PartitionNetworks; each is torn down (processes killed, namespaces deleted) even when a test fails."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    made: list[PartitionNetwork] = []
+
+    def make(nodes: int, etcd_members: int = 1) -> PartitionNetwork:
+        root = tmp_path / f"net{len(made)}"
+        root.mkdir()
+        net = PartitionNetwork(nodes, root, etcd_members=etcd_members)
+        made.append(net)
+        net.create()
+        net.start_etcd()
+        return net
+
+    try:
+        yield make
+    finally:
+        for net in made:
+            net.close()
+
+
+def agent_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("LOGLEVEL", os.environ.get("PARTITION_LOGLEVEL", "INFO"))
+    return env
+
+
+class Job:
+    """One elastic-run agent of one job per node namespace, each node with one worker and a probe log of its own."""
+
+    def __init__(self, net: PartitionNetwork, root: Path, *, nnodes: str, rdzv_conf: str, steps: int,
+                 extra: list[str] = (), rdzv_id: str = "job") -> None:  # fmt: skip
+        self.net = net
+        self.root = root
+        self.nnodes = nnodes
+        self.rdzv_conf = rdzv_conf
+        self.steps = steps
+        self.extra = list(extra)
+        self.rdzv_id = rdzv_id
+        self.agents: list[subprocess.Popen] = []
+
+    def start(self) -> "Job":
+        for i, ns in enumerate(self.net.node_ns):
+            command = [
+                sys.executable, "-m", "launcher.cli", "--nnodes", self.nnodes, "--nproc-per-node", "1",
+                "--rdzv-backend", "etcd", "--rdzv-endpoint", self.net.endpoint, "--rdzv-id", self.rdzv_id,
+                "--rdzv-conf", self.rdzv_conf, "--node-id", f"node{i}", "--local-addr", self.net.node_addrs[i],
+                "--log-dir", str(self.root / f"node{i}"), "--worker-stop-timeout", "2", *self.extra,
+                str(PROBE), "--steps", str(self.steps), "--step-time", str(STEP_TIME), "--log", str(self.probe_log(i)),
+            ]  # fmt: skip
+            self.agents.append(self.net.popen(ns, command, self.output_path(i), env=agent_env(), cwd=LAUNCHER_ROOT))
+        return self
+
+    def probe_log(self, node: int) -> Path:
+        return self.root / f"probe-node{node}.jsonl"
+
+    def output_path(self, node: int) -> Path:
+        return self.root / f"node{node}.out"
+
+    def output(self, node: int) -> str:
+        path = self.output_path(node)
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    def collectives(self, node: int | None = None) -> list[dict]:
+        nodes = range(len(self.net.node_ns)) if node is None else [node]
+        found = []
+        for i in nodes:
+            path = self.probe_log(i)
+            if path.is_file():
+                for line in path.read_text().splitlines():
+                    try:
+                        found.append(dict(json.loads(line), node=i))
+                    except ValueError:  # a line being written
+                        pass
+        return sorted(found, key=lambda c: c["time"])
+
+    def first_collective(self, world_size: int, after: float, nodes: set[int] | None = None) -> dict | None:
+        return next((c for c in self.collectives() if c["world_size"] == world_size and c["time"] > after
+                     and (nodes is None or c["node"] in nodes)), None)  # fmt: skip
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if all(agent.poll() is not None for agent in self.agents):
+                break
+            time.sleep(0.1)
+        value = predicate()
+        if value:
+            return value
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.dump()}")
+
+    def wait_for_world(self, world_size: int, timeout: float, after: float = 0.0,
+                       nodes: set[int] | None = None) -> dict:  # fmt: skip
+        return self.wait_for(lambda: self.first_collective(world_size, after, nodes), timeout,
+                             f"a collective at world size {world_size}")  # fmt: skip
+
+    def wait_exit(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        for agent in self.agents:
+            try:
+                agent.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                break
+        return [agent.poll() for agent in self.agents]
+
+    def membership(self) -> list[dict]:
+        """The job's membership log: every agent writes it whole when it exits (each event once, by revision)."""
+        events: dict[tuple, dict] = {}
+        for i in range(len(self.net.node_ns)):
+            path = self.root / f"node{i}" / "membership.jsonl"
+            if path.is_file():
+                for line in path.read_text().splitlines():
+                    if line.strip():
+                        event = json.loads(line)
+                        events[(event.get("revision"), event["event"], event.get("node"), event["time"])] = event
+        return sorted(events.values(), key=lambda e: (e.get("revision") or 0, e["time"]))
+
+    def controller_node(self) -> int | None:
+        """The node whose agent took the controller key last, per the agents' own output."""
+        latest = None
+        for i in range(len(self.net.node_ns)):
+            pattern = r"^\[elastic-run node\d+\] (\S+) \w+ node(\d+) now controls"
+            for match in re.finditer(pattern, self.output(i), re.M):
+                if latest is None or match.group(1) >= latest[0]:
+                    latest = (match.group(1), int(match.group(2)))
+        return latest[1] if latest else None
+
+    def node_of_rank(self, rank: int, round_: int) -> int:
+        return next(c["node"] for c in self.collectives() if c["rank"] == rank and c["round"] == round_)
+
+    def worker_pids(self, node: int, round_: int) -> set[int]:
+        return {c["pid"] for c in self.collectives(node) if c["round"] == round_}
+
+    def warnings(self, node: int) -> list[str]:
+        return [line for line in self.output(node).splitlines() if " WARNING " in line or " ERROR " in line]
+
+    def dump(self) -> str:
+        parts = []
+        for i, agent in enumerate(self.agents):
+            parts.append(f"--- node{i} (pid {agent.pid}, rc {agent.poll()}) ---\n{self.output(i)[-4000:]}")
+        for log in sorted(self.net.root.glob("etcd*.log")):
+            parts.append(f"--- {log.name} ---\n{log.read_text(errors='replace')[-1500:]}")
+        return "\n".join(parts)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie is dead for our purposes
+
+
+def rounds(events: list[dict]) -> list[tuple[int, int, str, int]]:
+    """(round, world size, reason, restart count) of every round_started."""
+    return [(e["round"], e["world_size"], e.get("reason"), e.get("restart_count", 0)) for e in events
+            if e["event"] == "round_started"]  # fmt: skip
+
+
+def report(case: str, text: str) -> None:
+    print(f"PARTITION {case}: {text}", flush=True)
+
+
+def _cut_and_heal(make_network, tmp_path, case: str, cut, heal, choose) -> None:
+    """Cases 1 and 2: 3 nodes x 1 worker, --nnodes 2:3, one node cut; the survivors train at 2, the victim
+    fences, and once healed rejoins and a scale-up round takes it back."""
+    net = make_network(3)
+    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=FAST_RDZV, steps=200).start()
+    start = job.wait_for_world(3, timeout=60)
+    job.wait_for(lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3, 20,
+                 "every node training in round 0")  # fmt: skip
+    time.sleep(0.5)
+    victim = choose(job)
+    old_pids = job.worker_pids(victim, round_=0)
+    survivors = {i for i in range(3) if i != victim}
+    assert old_pids, job.dump()
+
+    cut_at = time.time()
+    cut(net, victim)
+    again = job.wait_for_world(2, timeout=45, after=cut_at, nodes=survivors)
+    recovered_s = again["time"] - cut_at
+    # fenced while still cut off: the message, and its old workers gone before the others trained without it
+    job.wait_for(lambda: FENCE_TEXT in job.output(victim), 5, f"node{victim} fencing itself")
+    alive = sorted(pid for pid in old_pids if pid_alive(pid))
+    assert not alive, f"node{victim}'s round-0 workers {alive} still run after the job moved on\n{job.dump()}"
+    assert not job.first_collective(2, cut_at, {victim}), "the cut node trained in the survivors' world"
+
+    heal_at = time.time()
+    heal(net, victim)
+    back = job.wait_for_world(3, timeout=60, after=heal_at)
+    rejoined_s = back["time"] - heal_at
+    rcs = job.wait_exit(timeout=90)
+    events = job.membership()
+    victim_lines = [line for line in job.output(victim).splitlines()
+                    if any(word in line for word in ("WARNING", "ERROR", "joined job", "now controls"))]  # fmt: skip
+    report(case, f"node{victim} cut: first collective at world 2 after {recovered_s:.1f}s; healed: first collective "
+                 f"at world 3 after {rejoined_s:.1f}s; rounds {rounds(events)}")  # fmt: skip
+    report(case, f"node{victim}'s own log:\n  " + "\n  ".join(victim_lines))
+    assert rcs == [0, 0, 0], job.dump()
+    joined = [e for e in events if e["event"] == "node_joined" and e["node"] == f"node{victim}"]
+    assert len(joined) == 2, events
+    assert any(e["event"] == "node_lost" and e["node"] == f"node{victim}" and e["round"] == 0 for e in events), events
+    # the loss never counts as a restart, and the node came back through a scale-up round
+    assert [(w, reason, restarts) for _, w, reason, restarts in rounds(events)] == [
+        (3, "initial", 0), (2, "node_lost", 0), (3, "scale_up", 0)], events  # fmt: skip
+    assert recovered_s < 2 + 20, f"survivors took {recovered_s:.1f}s (lease TTL 2 s + start-up)"
+
+
+@pytest.mark.timeout(300)
+def test_node_cut_from_everything_fences_and_rejoins(make_network, tmp_path):
+    """Case 1: the controller's node loses every link: the survivors train at 2 within TTL + start-up, the cut node
+    kills its workers on its own, and once its link returns it rejoins and a scale-up round takes it back."""
+    _cut_and_heal(make_network, tmp_path, "cut-from-everything", PartitionNetwork.cut_node, PartitionNetwork.heal_node,
+                  choose=lambda job: job.controller_node())  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_node_cut_from_etcd_only_fences_and_rejoins(make_network, tmp_path):
+    """Case 2: a node (neither the controller nor rank 0's) loses etcd but still reaches its peers: its workers would
+    happily go on training with them, so the fence is what keeps the old world from outliving the new round."""
+
+    def choose(job: Job) -> int:
+        controller, rank0 = job.controller_node(), job.node_of_rank(0, round_=0)
+        return next(i for i in range(3) if i not in (controller, rank0)) if controller != rank0 else \
+            next(i for i in range(3) if i != controller)  # fmt: skip
+
+    _cut_and_heal(make_network, tmp_path, "cut-from-etcd", PartitionNetwork.cut_from_etcd,
+                  PartitionNetwork.heal_to_etcd, choose=choose)  # fmt: skip
+
+
+def _steer_leader(job: Job, net: PartitionNetwork) -> tuple[int, dict[int, set[int]]]:
+    """Make the etcd member that the controller's agent talks to the leader (the worst member to lose: the
+    controller's watch and every write of that agent go through it); returns it and each node's connections."""
+    controller = job.controller_node()
+    connections = {i: net.etcd_connections(i) for i in range(len(net.node_ns))}
+    assert len(connections[controller]) == 1, connections
+    target = next(iter(connections[controller]))
+    if net.etcd_leader() != target:
+        net.move_leader(target)
+    deadline = time.monotonic() + 10
+    while net.etcd_leader() != target:
+        assert time.monotonic() < deadline, f"etcd leadership did not move to m{target}: {net.etcd_status()}"
+        time.sleep(0.2)
+    return target, connections
+
+
+def _assert_undisturbed(job: Job, case: str, pids: dict[int, set[int]], fault_at: float, rcs: list[int | None]) -> None:
+    """No worker restart and no membership change: one round, the same worker on every node, every agent exit 0."""
+    events = job.membership()
+    after = next((c for c in job.collectives() if c["time"] > fault_at), None)
+    report(case, f"first collective after the fault: {after['time'] - fault_at:.2f}s later" if after else
+           "no collective after the fault")  # fmt: skip
+    for i in range(len(job.agents)):
+        lines = job.warnings(i)
+        report(case, f"node{i}: {len(lines)} warning(s)" + "".join(f"\n  {line[:300]}" for line in lines[:12]))
+    report(case, f"agent exit codes {rcs}; rounds {rounds(events)}")
+    assert rcs == [0] * len(job.agents), job.dump()
+    assert rounds(events) == [(0, len(job.agents), "initial", 0)], events
+    assert not [e for e in events if e["event"] in ("node_lost", "worker_failed", "worker_hung")], events
+    for i in range(len(job.agents)):
+        assert FENCE_TEXT not in job.output(i), f"node{i} fenced\n{job.dump()}"
+        assert job.worker_pids(i, round_=0) == pids[i], f"node{i}'s worker changed\n{job.dump()}"
+        assert {c["pid"] for c in job.collectives(i)} == pids[i], f"node{i}'s worker changed\n{job.dump()}"
+
+
+ORPHANED_WATCH_XFAIL = (
+    "launcher/etcd_client.py: (1) after a call to the silently cut member times out, pyetcd fails over by "
+    "dropping its Watcher, whose close() only half-closes the stream: RangeMirror's watches stay on the dead member, "
+    "never see another change and never hear of it (no gRPC keepalive either), so the agent misses every later "
+    "round and the controller every report: the job never finishes; (2) a failed endpoint is shunned for "
+    "_ENDPOINT_RETRY_S=0.2 s only, so the next lease refresh (one keep_alive_interval later) goes back to the dead "
+    "member and hangs the client's 3 s timeout again, until the agent fences itself"
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(reason=ORPHANED_WATCH_XFAIL, strict=False)
+def test_etcd_leader_cut_mid_run_changes_nothing(make_network, tmp_path):
+    """Case 3a: a 3-member etcd cluster loses its leader (the member the controller talks to) for good: the other
+    two elect a new one and the agents fail over to them, with no restart and no membership change. The lease is
+    6 s here: with 2 s (fencing after 1.5 s) a silent leader loss costs every agent its lease confirmations for
+    longer than that (a follower forwards keep-alives to the old leader until the call's deadline)."""
+    net = make_network(3, etcd_members=3)
+    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=SLOW_RDZV, steps=300).start()
+    job.wait_for(lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3, 60,
+                 "every node training in round 0")  # fmt: skip
+    leader, connections = _steer_leader(job, net)
+    time.sleep(1.0)
+    pids = {i: job.worker_pids(i, round_=0) for i in range(3)}
+    cut_at = time.time()
+    net.cut_member(leader)
+    others = [j for j in range(3) if j != leader]
+    while net.etcd_leader(others) in (None, leader) and time.time() - cut_at < 10:
+        time.sleep(0.1)
+    elected_s = time.time() - cut_at
+    report("etcd-leader-cut", f"cut m{leader} (leader; agents' connections {connections}, controller "
+                              f"node{job.controller_node()}); new leader m{net.etcd_leader(others)} "
+                              f"within {elected_s:.1f}s")  # fmt: skip
+    rcs = job.wait_exit(timeout=60)
+    _assert_undisturbed(job, "etcd-leader-cut", pids, cut_at, rcs)
+
+
+@pytest.mark.timeout(300)
+def test_etcd_quorum_lost_briefly_changes_nothing(make_network, tmp_path):
+    """Case 3b: two of three etcd members (one of them the controller's) cut for 2 s, well under the 6 s lease:
+    etcd has no quorum meanwhile; once it is back, the workers still run and the membership is unchanged."""
+    net = make_network(3, etcd_members=3)
+    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=SLOW_RDZV, steps=300).start()
+    job.wait_for(lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3, 60,
+                 "every node training in round 0")  # fmt: skip
+    leader, connections = _steer_leader(job, net)
+    second = next(j for j in range(3) if j != leader)
+    time.sleep(1.0)
+    pids = {i: job.worker_pids(i, round_=0) for i in range(3)}
+    cut_at = time.time()
+    net.cut_member(leader)
+    net.cut_member(second)
+    time.sleep(2.0)
+    heal_at = time.time()
+    net.heal_member(leader)
+    net.heal_member(second)
+    while net.etcd_leader() is None and time.time() - heal_at < 10:
+        time.sleep(0.1)
+    report("etcd-quorum-lost", f"cut m{leader} (leader) and m{second} for {heal_at - cut_at:.1f}s (agents' connections "
+                               f"{connections}); a leader again {time.time() - heal_at:.1f}s after the heal")
+    rcs = job.wait_exit(timeout=60)
+    _assert_undisturbed(job, "etcd-quorum-lost", pids, cut_at, rcs)
+
+
+SILENT_PAIR_CUT_XFAIL = (
+    "launcher: after the hung round, the new round's workers block in init_process_group (gloo connectFullMesh to "
+    "the unreachable peer; SYNs are dropped, so it retries until the process group's timeout, 600 s in "
+    "collective_probe, 30 min by default) before their first elastic.heartbeat, and the watchdog only watches a "
+    "worker after its first heartbeat: no failure is ever reported and the job stalls. Also, in the hung round "
+    "every rank is in all_reduce, so the root cause charged is arbitrary"
+)
+
+
+WRONG_CAUSE_XFAIL = (
+    "launcher: the root cause is the failure with the earliest time, and that is not evidence here: (1) in the hung "
+    "round every rank sits in all_reduce and falls silent at once, so an arbitrary one is charged (the node that "
+    "reaches both ends as likely as not); (2) in the next round the end whose connect fails (EHOSTUNREACH) tears "
+    "its gloo sockets down before torch's @record writes its error.json, so its peer's 'Read error [addr]: "
+    "Connection reset by peer' can carry the earlier time (seen: 12 ms earlier) and be charged instead. Two such "
+    "strikes quarantine a node that reaches everyone, the two ends of the cut are left together and the job "
+    "cannot recover"
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", [
+    pytest.param("drop", marks=pytest.mark.xfail(reason=SILENT_PAIR_CUT_XFAIL, strict=False)),
+    pytest.param("reject", marks=pytest.mark.xfail(reason=WRONG_CAUSE_XFAIL, strict=False)),
+])  # fmt: skip
+def test_node_cut_from_one_peer_is_quarantined(make_network, tmp_path, how):
+    """Case 4: two nodes lose each other (each still reaches etcd and the third node), so every collective hangs.
+    The progress watchdog (--watchdog-timeout 3) finds the workers hung; with quarantine_after=2 one end of the
+    broken link should sit out, after which the two nodes that reach each other train on at world size 2.
+
+    drop: the path between them drops everything (a real broken link). reject: their traffic to each other is
+    refused (a firewall rule; a new connection fails at once)."""
+    net = make_network(3)
+    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=FAST_RDZV + ",quarantine_after=2", steps=200,
+              extra=["--watchdog-timeout", "3", "--max-restarts", "6"]).start()  # fmt: skip
+    job.wait_for(lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3, 60,
+                 "every node training in round 0")  # fmt: skip
+    time.sleep(0.5)
+    controller = job.controller_node()
+    a, b = (i for i in range(3) if i != controller)
+    cut_at = time.time()
+    mode = net.cut_pair(a, b, how)
+    try:  # the job trains again without one of a, b (the right outcome), or runs out of restarts
+        job.wait_for(lambda: job.first_collective(2, cut_at) or all(agent.poll() is not None for agent in job.agents),
+                     60, "a collective at world size 2, or the job's end")  # fmt: skip
+    except AssertionError:
+        pass
+    recovered = job.first_collective(2, cut_at)
+    rcs = job.wait_exit(timeout=60 if recovered else 5)
+    events = job.membership()
+    quarantined = [e["node"] for e in events if e["event"] == "node_quarantined"]
+    failures = [(e["round"], e["event"], e["node"], e.get("rank"), (e.get("message") or "")[:100]) for e in events
+                if e["event"] in ("worker_failed", "worker_hung")]  # fmt: skip
+    case = f"cut-from-one-peer-{how}"
+    report(case, f"cut node{a} <-> node{b} ({mode}; node{controller}, the controller, reaches both); quarantined "
+                 f"{quarantined}; exit codes {rcs}; rounds {rounds(events)}")  # fmt: skip
+    report(case, "failures (round, event, node, rank, message):\n  " + "\n  ".join(map(str, failures)))
+    if recovered:
+        trained = sorted({c["node"] for c in job.collectives() if c["world_size"] == 2 and c["time"] > cut_at})
+        report(case, f"first collective at world 2 after {recovered['time'] - cut_at:.1f}s (nodes {trained})")
+    else:
+        last = max((c["round"] for c in job.collectives()), default=0)
+        report(case, f"no collective at world 2 within 60 s; the last round with a collective: {last}")
+    assert quarantined and quarantined[0] in (f"node{a}", f"node{b}"), job.dump()
+    assert recovered, job.dump()
+    assert {c["node"] for c in job.collectives() if c["world_size"] == 2 and c["time"] > cut_at} != {a, b}
+    assert rcs == [0, 0, 0], job.dump()
