@@ -314,18 +314,9 @@ def _assert_undisturbed(job: Job, case: str, pids: dict[int, set[int]], fault_at
         assert {c["pid"] for c in job.collectives(i)} == pids[i], f"node{i}'s worker changed\n{job.dump()}"
 
 
-ORPHANED_WATCH_XFAIL = (
-    "launcher/etcd_client.py: (1) after a call to the silently cut member times out, pyetcd fails over by "
-    "dropping its Watcher, whose close() only half-closes the stream: RangeMirror's watches stay on the dead member, "
-    "never see another change and never hear of it (no gRPC keepalive either), so the agent misses every later "
-    "round and the controller every report: the job never finishes; (2) a failed endpoint is shunned for "
-    "_ENDPOINT_RETRY_S=0.2 s only, so the next lease refresh (one keep_alive_interval later) goes back to the dead "
-    "member and hangs the client's 3 s timeout again, until the agent fences itself"
-)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(reason=ORPHANED_WATCH_XFAIL, strict=False)
 def test_etcd_leader_cut_mid_run_changes_nothing(make_network, tmp_path):
     """Case 3a: a 3-member etcd cluster loses its leader (the member the controller talks to) for good: the other
     two elect a new one and the agents fail over to them, with no restart and no membership change. The lease is
