@@ -84,13 +84,19 @@ class MemberBucket(Record):
     first_ranks: list[int]
 
     def member(self, node: str, incarnation: int | None = None) -> Member | None:
-        try:
-            i = self.nodes.index(node)
-        except ValueError:
-            return None
-        if incarnation is not None and self.incarnations[i] != incarnation:
+        i = _position(self.nodes, self.incarnations, node, incarnation)
+        if i is None:
             return None
         return Member(node, self.incarnations[i], self.group_ranks[i], self.nproc[i], self.first_ranks[i], self.addrs[i])
+
+
+def _position(nodes: list[str], incarnations: list[int], node: str, incarnation: int | None) -> int | None:
+    """Where `node` (that incarnation of it, if given) stands in column-wise members; None if absent."""
+    try:
+        index = nodes.index(node)
+    except ValueError:
+        return None
+    return None if incarnation is not None and incarnations[index] != incarnation else index
 
 
 _MEMBERS_PER_BUCKET = 64
@@ -150,11 +156,8 @@ class RoundRecord(Record):
 
     def member(self, node: str, incarnation: int | None = None) -> Member | None:
         """`node`'s place in this round; None if it is not a member (or, given an incarnation, not that one)."""
-        try:
-            index = self.nodes.index(node)
-        except ValueError:
-            return None
-        if incarnation is not None and self.incarnations[index] != incarnation:
+        index = _position(self.nodes, self.incarnations, node, incarnation)
+        if index is None:
             return None
         first_rank = sum(self.nproc[:index])
         return Member(node, self.incarnations[index], index, self.nproc[index], first_rank, self.addrs[index])

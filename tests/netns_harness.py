@@ -66,6 +66,19 @@ def hostname_resolution(namespace: str) -> str:
     return result.stdout.split()[0] if result.stdout.split() else ""
 
 
+def add_namespace(ns: str) -> None:
+    """A network namespace with loopback up, where the shared hostname resolves to loopback, as on the failing
+    hosts of issue 11 (a read-only /etc leaves the machine's own /etc/hosts: see hostname_resolution)."""
+    _ip("netns", "add", ns)
+    _ip("-n", ns, "link", "set", "lo", "up")
+    hosts = Path("/etc/netns") / ns / "hosts"
+    try:
+        hosts.parent.mkdir(parents=True, exist_ok=True)
+        hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n")
+    except OSError:
+        pass
+
+
 class Network:
     """An etcd namespace with the bridge, and `nodes` node namespaces, each a veth away from the bridge."""
 
@@ -87,17 +100,8 @@ class Network:
         return f"{ETCD_ADDR}:{ETCD_PORT}"
 
     def create(self) -> "Network":
-        hostname = socket.gethostname()
         for ns in self.namespaces:
-            _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            # The failing case of the issue: every host resolves the shared hostname to loopback
-            hosts = Path("/etc/netns") / ns / "hosts"
-            try:
-                hosts.parent.mkdir(parents=True, exist_ok=True)
-                hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {hostname}\n")
-            except OSError:  # a read-only /etc: the machine's own /etc/hosts applies (see hostname_resolution)
-                pass
+            add_namespace(ns)
         _ip("-n", self.etcd_ns, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.etcd_ns, "addr", "add", f"{ETCD_ADDR}/24", "dev", "br0")
         _ip("-n", self.etcd_ns, "link", "set", "br0", "up")
@@ -249,16 +253,8 @@ class PartitionNetwork(Network):
         _ip("-n", ns, "link", "set", iface, "up")
 
     def create(self) -> "PartitionNetwork":
-        hostname = socket.gethostname()
         for ns in self.namespaces:
-            _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            hosts = Path("/etc/netns") / ns / "hosts"
-            try:
-                hosts.parent.mkdir(parents=True, exist_ok=True)
-                hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {hostname}\n")
-            except OSError:
-                pass
+            add_namespace(ns)
         for bridge in ("br0", "br1"):  # br0: the peer LAN, br1: the etcd LAN; the switch itself has no address
             _ip("-n", self.switch_ns, "link", "add", bridge, "type", "bridge")
             _ip("-n", self.switch_ns, "link", "set", bridge, "up")
