@@ -186,7 +186,7 @@ class Controller:
                 fields = dict(node=cause.node, rank=cause.rank, local_rank=cause.local_rank, exit_code=cause.exit_code)
             event = new_event("job_failed", round=number, message=decision.summary, **fields)
         if self.store.end_job(self.holder, view.round_revision, status, event):
-            logger.info("%s", decision.summary.splitlines()[0])
+            logger.debug("%s", decision.summary.splitlines()[0])  # every agent, this one too, reports the end
             self._trim_events()
 
     def _trim_events(self) -> None:
