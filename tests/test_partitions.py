@@ -369,13 +369,6 @@ def test_etcd_quorum_lost_briefly_changes_nothing(make_network, tmp_path):
     _assert_undisturbed(job, "etcd-quorum-lost", pids, cut_at, rcs)
 
 
-SILENT_PAIR_CUT_XFAIL = (
-    "launcher: after the hung round, the new round's workers block in init_process_group (gloo connectFullMesh to "
-    "the unreachable peer; SYNs are dropped, so it retries until the process group's timeout, 600 s in "
-    "collective_probe, 30 min by default) before their first elastic.heartbeat, and the watchdog only watches a "
-    "worker after its first heartbeat: no failure is ever reported and the job stalls. Also, in the hung round "
-    "every rank is in all_reduce, so the root cause charged is arbitrary"
-)
 
 
 WRONG_CAUSE_XFAIL = (
@@ -391,7 +384,6 @@ WRONG_CAUSE_XFAIL = (
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", [
-    pytest.param("drop", marks=pytest.mark.skip(reason=SILENT_PAIR_CUT_XFAIL)),
     pytest.param("reject", marks=pytest.mark.xfail(reason=WRONG_CAUSE_XFAIL, strict=False)),
 ])  # fmt: skip
 def test_node_cut_from_one_peer_is_quarantined(make_network, tmp_path, how):
