@@ -792,7 +792,7 @@ def plot(results: list[dict], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"\nno plot: matplotlib is not installed (pip install matplotlib); the table above has every figure")
+        print("\nno plot: matplotlib is not installed (pip install matplotlib); the table above has every figure")
         return
     done = [r for r in results if r.get("form_s") is not None]
     if not done:

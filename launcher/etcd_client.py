@@ -29,8 +29,6 @@ except ImportError:  # pragma: no cover - exercised only where python-etcd3 is w
 logger = logging.getLogger(__name__)
 
 EtcdClient = etcd3.MultiEndpointEtcd3Client
-EtcdError = etcd_exceptions.Etcd3Exception
-PreconditionFailed = etcd_exceptions.PreconditionFailedError
 RevisionCompacted = etcd_exceptions.RevisionCompactedError
 PutEvent = etcd_events.PutEvent
 DeleteEvent = etcd_events.DeleteEvent

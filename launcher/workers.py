@@ -17,7 +17,7 @@ from typing import IO
 from elastic.watchdog import HEARTBEAT_ENV
 from launcher.config import LaunchConfig, Std
 from launcher.network import gloo_interface_env
-from launcher.process_tree import orphan_safe_command, stop_group
+from launcher.process_tree import stop_group, supervised_command
 from launcher.records import MasterRecord, Member, RoundHeader, WorkerFailure
 from launcher.watchdog import HEARTBEAT_FILE, Policy, Watchdog, read_dump
 
@@ -109,8 +109,6 @@ class WorkerGroup:
                                  [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)])  # fmt: skip
 
     def start(self) -> None:
-        from launcher.process_tree import supervised_command  # (kept local: workers.py is edited concurrently)
-
         # each worker runs under a supervisor: its whole tree dies with the agent (even SIGKILLed) or with it
         command = supervised_command(self.config.worker_command())
         for local_rank in range(self.member.nproc):

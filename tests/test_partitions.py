@@ -217,7 +217,7 @@ def _cut_and_heal(make_network, tmp_path, case: str, cut, heal, choose) -> None:
     fences, and once healed rejoins and a scale-up round takes it back."""
     net = make_network(3)
     job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=FAST_RDZV, steps=200).start()
-    start = job.wait_for_world(3, timeout=60)
+    job.wait_for_world(3, timeout=60)
     job.wait_for(lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3, 20,
                  "every node training in round 0")  # fmt: skip
     time.sleep(0.5)
