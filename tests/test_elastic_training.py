@@ -54,9 +54,10 @@ def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path
     redone = {r["step"] for r in all_records if r["round"] == 0} & {r["step"] for r in all_records if r["round"] > 0}
     assert redone, "steps after the last commit are redone in the new round"
     for step in redone:
-        first = sorted(i for r in all_records if r["step"] == step and r["round"] == 0 for i in r["samples"])
-        final = sorted(i for r in history[step] for i in r["samples"])
-        assert first == final, f"step {step} was redone on other samples"
+        # the killed rank may die before logging the step it was on, so round 0 can hold part of the batch only
+        first = {i for r in all_records if r["step"] == step and r["round"] == 0 for i in r["samples"]}
+        final = {i for r in history[step] for i in r["samples"]}
+        assert first and first <= final and len(final) == global_batch, f"step {step} was redone on other samples"
         assert {r["lr"] for r in all_records if r["step"] == step} == {history[step][0]["lr"]}
 
     log = agents[0].membership()
