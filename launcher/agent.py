@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 from launcher import etcd_client
 from launcher.config import LaunchConfig
@@ -37,6 +36,7 @@ from launcher.membership_log import LogMirror
 from launcher.protocol import Holder, JobStore, NodeIdTaken
 from launcher.records import JobStatus, MasterRecord, Member, NodeFailure, NodeRecord, RoundHeader
 from launcher.watch import RangeMirror
+from launcher.watchdog import StartupHistory
 from launcher.workers import WorkerGroup, WorkerOutcome
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,6 @@ _ETCD_WARN_AFTER_S = 2.0
 # controller key, so that thousands of agents do not all write at once when the controller dies.
 _CLAIM_SPREAD_PER_MEMBER_S = 0.001
 _CLAIM_SPREAD_MAX_S = 1.0
-
-WorkerGroupFactory = Callable[[LaunchConfig, RoundHeader, Member, MasterRecord], WorkerGroup]
 
 
 def address_facing(endpoint_host: str) -> str:
@@ -92,14 +90,14 @@ class RoundRun:
 
 
 class Agent:
-    def __init__(self, config: LaunchConfig, client, worker_group: WorkerGroupFactory = WorkerGroup) -> None:
+    def __init__(self, config: LaunchConfig, client) -> None:
         self.config = config
         self.client = client
         self.store = JobStore(client, config.rdzv_id)
         self.node_id = config.node_id
         host = etcd_client.parse_endpoints(config.rdzv_endpoint)[0][0]
         self.addr = config.local_addr or address_facing(host)
-        self.worker_group = worker_group
+        self.startups = StartupHistory()  # how long our workers take to their first heartbeat, over rounds
         self.log = LogMirror.for_dir(config.log_dir)
         self.record: NodeRecord | None = None  # our registration: its lease is our incarnation
         self.lease = None
@@ -299,7 +297,7 @@ class Agent:
             master = MasterRecord(addr=member.addr, port=free_port(member.addr))
             if not self.store.publish_master(run.record.round, run.revision, master):
                 return  # the round moved on; the next step enters the new one
-        run.workers = self.worker_group(self.config, run.record, member, master)
+        run.workers = WorkerGroup(self.config, run.record, member, master, self.startups)
         run.workers.start()
         run.phase = Phase.RUNNING
 

@@ -20,15 +20,18 @@ through `launcher.protocol`. The rules, in the order they are tried:
 8. Members that did not start the round within `close_timeout` are evicted; nodes waiting outside a round
    that has room form a scale-up round once MAX are present or `last_call_timeout` passed.
 
-Quarantine: a node that caused the worker failure (the root cause) of `quarantine_after` consecutive rounds
-it took part in sits out the following rounds for `quarantine_cooldown` seconds, unless that would leave
-fewer than MIN nodes; when the cooldown ends it is readmitted like any waiting node (rule 8). Strikes and
-quarantines travel in the round record, so a new controller knows them.
+Quarantine: a round's worker failure is charged to the nodes that caused it (`charged_nodes`): the ends of the
+broken network paths its failures show, else the node of the earliest failure that was not a peer's
+consequence. A node charged in `quarantine_after` consecutive rounds it took part in sits out the
+following rounds for `quarantine_cooldown` seconds, unless that would leave fewer than MIN nodes; when the
+cooldown ends it is readmitted like any waiting node (rule 8). Strikes and quarantines travel in the round
+record, so a new controller knows them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -140,8 +143,39 @@ def assign_ranks(previous: RoundRecord | None, nodes: dict[str, NodeRecord], max
 
 
 def root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
-    """The earliest failure: later ones are usually peers noticing the first (as torchrun reports it)."""
-    return min(failures, key=lambda f: (f.time, f.rank))
+    """The earliest failure that was not a consequence of a peer's (the earliest of all when every one was):
+    later ones are usually peers noticing the first, as torchrun reports it, but a peer can notice first."""
+    causes = [failure for failure in failures if not failure.consequence]
+    return min(causes or failures, key=lambda f: (f.time, f.rank))
+
+
+def charged_nodes(failures: list[WorkerFailure], members: list[Member]) -> list[str]:
+    """The nodes a round's `failures` are charged to, by name (evidence from `launcher.failure_evidence`).
+
+    Broken network paths first: the nodes touching the most of them (two nodes that lost each other are both
+    charged, and either one out mends the job; a node that lost everyone touches every broken path and is
+    charged alone; a path whose far end is unknown touches its reporter only; an address several members share,
+    nodes on one host, names none of them). Without such evidence, the node of the earliest failure that was
+    not a consequence of a peer's; none when every failure was (every rank hung waiting in a collective).
+    """
+    by_addr: dict[str, set[str]] = {}
+    for member in members:
+        by_addr.setdefault(member.addr, set()).add(member.node)
+    broken = set()
+    for failure in failures:
+        if not failure.path_broken:
+            continue
+        peers = {peer for addr in failure.unreachable if len(by_addr.get(addr, ())) == 1 for peer in by_addr[addr]}
+        peers.discard(failure.node)
+        broken.update(frozenset((failure.node, peer)) for peer in peers)
+        if not peers:
+            broken.add(frozenset((failure.node,)))
+    if broken:
+        touching = Counter(node for path in broken for node in path)
+        most = max(touching.values())
+        return sorted(node for node, count in touching.items() if count == most)
+    cause = root_cause(failures)
+    return [] if cause.consequence else [cause.node]
 
 
 def failure_summary(rdzv_id: str, restarts: int, cause: WorkerFailure) -> str:
@@ -311,7 +345,8 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
         if restarts > settings.max_restarts:
             cause = root_cause(failures)
             return EndJob(False, failure_summary(settings.rdzv_id, round_.restart_count, cause), cause)
-        return _form(view, eligible, RoundReason.WORKER_FAILED, restarts, settings, wall, cause=root_cause(failures))
+        return _form(view, eligible, RoundReason.WORKER_FAILED, restarts, settings, wall,
+                     charged=charged_nodes(failures, members))  # fmt: skip
 
     if all(m.node in reports.done for m in members):
         return EndJob(True, f"job {settings.rdzv_id} finished")
@@ -348,24 +383,24 @@ def _evict_after_close_timeout(members: list[Member], since: float, now: float, 
 
 
 def _form(view: JobView, eligible: dict[str, NodeRecord], reason: RoundReason, restart_count: int,
-          settings: Settings, wall: float, cause: WorkerFailure | None = None,
+          settings: Settings, wall: float, charged: list[str] = (),
           handled_left: list[str] = ()) -> FormRound:  # fmt: skip
-    """The next round of `eligible` nodes; the root `cause` of a worker failure takes a strike."""
+    """The next round of `eligible` nodes; each node `charged` with a worker failure takes a strike."""
     previous = view.round
     number = previous.round + 1 if previous is not None else 0
     strikes, quarantined, newly = {}, _quarantined(view, wall), []
     if previous is not None:
         # a strike counts only consecutive rounds: taking part without causing the failure clears it
         strikes = {n: k for n, k in previous.strikes.items() if n not in previous.nodes}
-        if cause is not None:
-            count = previous.strikes.get(cause.node, 0) + 1
-            enough_left = len(eligible) - 1 >= settings.min_nodes
-            if settings.quarantine_after and count >= settings.quarantine_after and enough_left:
-                quarantined[cause.node] = wall + settings.quarantine_cooldown
-                eligible = {n: r for n, r in eligible.items() if n != cause.node}
-                newly.append(cause.node)
+        counts = {node: previous.strikes.get(node, 0) + 1 for node in charged}
+        for node in sorted(counts, key=lambda n: (-counts[n], n)):
+            enough_left = len(eligible) - (node in eligible) >= settings.min_nodes
+            if settings.quarantine_after and counts[node] >= settings.quarantine_after and enough_left:
+                quarantined[node] = wall + settings.quarantine_cooldown
+                eligible = {n: r for n, r in eligible.items() if n != node}
+                newly.append(node)
             else:
-                strikes[cause.node] = count
+                strikes[node] = counts[node]
     readmitted = sorted(set(previous.quarantined) - set(quarantined)) if previous is not None else []
     members = assign_ranks(previous, eligible, settings.max_nodes)
     return FormRound(number, members, reason, restart_count, list(handled_left), strikes, quarantined, newly,

@@ -215,6 +215,11 @@ class WorkerFailure(Record):
     hung: bool = False
     seconds_silent: float | None = None
     last_step: int | None = None
+    # what its traces say of the cause (launcher.failure_evidence): a network path broke (to the peer addresses in
+    # `unreachable`, where known), or it failed because a peer did
+    path_broken: bool = False
+    unreachable: list[str] = Field(default_factory=list)
+    consequence: bool = False
 
 
 class NodeFailure(Record):

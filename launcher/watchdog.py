@@ -6,7 +6,11 @@ every worker poll (`--monitor-interval`) the agent reads the file's 8-byte chang
 a worker has been silent for the least allowance there can be: no etcd, no syscall, next to no CPU.
 
 The rule, as pure functions (`allowance`, `WorkerWatch.verdict`):
-- a worker that never sent a heartbeat is never watched;
+- a worker that never sent a heartbeat is never watched, with one exception: once this node's workers have
+  heartbeated in an earlier round, a new round's worker that has not heartbeated yet is allowed the start-up
+  allowance (`StartupHistory`): the larger of the normal allowance and 5 x the longest start-up (spawn to first
+  heartbeat) seen on this node. A worker stuck in `init_process_group` (a peer it cannot connect to) is caught
+  so; a start-up that loads a checkpoint for long belongs inside `long_operation`;
 - silence is measured from the last sign of life the agent saw: a heartbeat, or a long operation's begin or end;
 - the normal allowance is `--watchdog-timeout` seconds when it is a number; with `auto` (the default) it is the
   larger of `--watchdog-min` and 10 x the slowest interval between heartbeats over the last 100 steps (less the
@@ -17,8 +21,9 @@ The rule, as pure functions (`allowance`, `WorkerWatch.verdict`):
 A hung worker gets the signal its library registered with faulthandler (every thread's Python stack to its
 stderr), SIGCONT (a stopped process handles no signal), and `DUMP_GRACE_S` later SIGKILL, then its process group
 SIGKILL (at once when the worker leads it; `DUMP_GRACE_S` later when a supervisor runs it and takes its tree down).
-Its failure carries `hung`, `seconds_silent` and `last_step`; the agent reports it like any failed worker and the
-membership log records `worker_hung`. In a synchronous job the peers of a hung worker block in their next
+Before the kill the agent reads which of its TCP connections stalled (`launcher.failure_evidence`): evidence of a broken
+path to a peer. Its failure carries `hung`, `seconds_silent`, `last_step` and those peers (`unreachable`); the
+agent reports it like any failed worker and the membership log records `worker_hung`. In a synchronous job the peers of a hung worker block in their next
 collective and fall silent too; those past their allowance are reported hung as well (their stacks show them
 waiting inside the collective), the others fail once the hung worker's connections close. The round's failures
 count as one restart against --max-restarts, as for any worker failure.
@@ -26,6 +31,7 @@ count as one restart against --max-restarts, as for any worker failure.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import mmap
@@ -39,6 +45,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from elastic import watchdog as channel
+from launcher import failure_evidence
 from launcher.process_tree import signal_group
 
 logger = logging.getLogger(__name__)
@@ -47,6 +54,7 @@ HEARTBEAT_FILE = "heartbeat"  # in each worker's log directory, next to error.js
 DUMP_GRACE_S = 1.0  # from the stack-dump signal to SIGKILL: time for faulthandler to write
 AUTO_FACTOR = 10.0
 AUTO_WINDOW = channel.WINDOW
+STARTUP_FACTOR = 5.0
 
 
 def parse_timeout(spec: str | float) -> float | Literal["auto", "off"]:
@@ -65,13 +73,15 @@ def parse_timeout(spec: str | float) -> float | Literal["auto", "off"]:
 
 @dataclass(frozen=True)
 class Policy:
-    """What the watchdog allows; `timeout` None means auto."""
+    """What the watchdog allows; `timeout` None means auto; `startup` None: a worker is not watched before its
+    first heartbeat."""
 
     timeout: float | None = None
     minimum: float = 60.0
     long_op: float = 1800.0
     factor: float = AUTO_FACTOR
     window: int = AUTO_WINDOW
+    startup: float | None = None
 
     @property
     def floor(self) -> float:
@@ -86,6 +96,22 @@ class Policy:
             return None
         return cls(timeout=None if timeout == "auto" else float(timeout), minimum=config.watchdog_min,
                    long_op=config.watchdog_long_op)  # fmt: skip
+
+
+class StartupHistory:
+    """How long this node's workers took from spawn to their first heartbeat, over the agent's rounds."""
+
+    def __init__(self) -> None:
+        self.longest: float | None = None
+
+    def record(self, seconds: float) -> None:
+        self.longest = seconds if self.longest is None else max(self.longest, seconds)
+
+    def policy(self, policy: Policy | None) -> Policy | None:
+        """`policy` with its start-up allowance, once a start-up was seen (the script heartbeats)."""
+        if policy is None or self.longest is None:
+            return policy
+        return dataclasses.replace(policy, startup=max(policy.floor, STARTUP_FACTOR * self.longest))
 
 
 def allowance(policy: Policy, intervals: Sequence[float], long_op: channel.LongOp | None = None) -> float:
@@ -109,7 +135,9 @@ class Hang:
     allowance: float
     last_step: int | None
     long_op: str | None = None
+    starting: bool = False  # no heartbeat yet in this round: held to the start-up allowance
     at: float = field(default_factory=time.time)  # wall clock of the verdict
+    stalled_peers: tuple[str, ...] = ()  # peers its stalled TCP connections lead to (launcher.failure_evidence)
 
     @property
     def silent_since(self) -> float:
@@ -117,9 +145,14 @@ class Hang:
         return self.at - self.seconds_silent
 
     def summary(self) -> str:
-        step = f"after step {self.last_step}" if self.last_step is not None else "(no step given)"
+        if self.starting:
+            step = "since it started, none yet in this round"
+        else:
+            step = f"after step {self.last_step}" if self.last_step is not None else "(no step given)"
         inside = f" inside long operation {self.long_op!r}" if self.long_op else ""
-        return f"no heartbeat for {self.seconds_silent:.1f}s {step}{inside} (allowance {self.allowance:g}s)"
+        kind = "start-up allowance" if self.starting else "allowance"
+        stalled = f"; stalled connections to {', '.join(self.stalled_peers)}" if self.stalled_peers else ""
+        return f"no heartbeat for {self.seconds_silent:.1f}s {step}{inside} ({kind} {self.allowance:g}s){stalled}"
 
     def describe(self, dump: str = "") -> str:
         """The failure message: what the membership log and the job's failure summary show; its stack `dump`
@@ -128,11 +161,15 @@ class Hang:
         inside = f" in {frame.function} ({os.path.basename(frame.file)}:{frame.line})" if frame else ""
         return f"hung{inside}: {self.summary()}; stacks dumped to its stderr, process group killed"
 
-    def failed_at(self, dump: str = "") -> float:
-        """When it failed, for the root cause (the earliest failure): when it fell silent, unless its main
-        thread sat in a torch.distributed call: then it was waiting for a peer, and failed when found hung."""
+    def waited_on_peer(self, dump: str = "") -> bool:
+        """Whether its main thread sat in a torch.distributed call (a collective, process-group set-up)."""
         frame = main_thread_frame(dump)
-        return self.at if frame is not None and frame.in_collective else self.silent_since
+        return frame is not None and frame.in_collective
+
+    def failed_at(self, dump: str = "") -> float:
+        """When it failed, for the root cause (the earliest failure): when it fell silent, unless it waited on a
+        peer: then it failed when found hung."""
+        return self.at if self.waited_on_peer(dump) else self.silent_since
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<function>\S+)')
@@ -228,14 +265,18 @@ class WorkerWatch:
             return None
         self.observe(snapshot.seq, now)
         self.snapshot = snapshot
-        if snapshot.beats == 0:
+        starting = snapshot.beats == 0
+        if starting and policy.startup is None:
             return None  # a script that never calls heartbeat is never watched
-        allowed = allowance(policy, snapshot.intervals, snapshot.long_op)
+        if starting:
+            allowed = max(policy.startup, allowance(policy, (), snapshot.long_op))
+        else:
+            allowed = allowance(policy, snapshot.intervals, snapshot.long_op)
         silent = self.silent_for(now)
         if silent <= allowed:
             return None
         return Hang(seconds_silent=silent, allowance=allowed, last_step=snapshot.last_step,
-                    long_op=snapshot.long_op.name if snapshot.long_op else None)  # fmt: skip
+                    long_op=snapshot.long_op.name if snapshot.long_op else None, starting=starting)  # fmt: skip
 
 
 @dataclass
@@ -246,14 +287,18 @@ class _Worker:
     hang: Hang | None = None
     kill_at: float | None = None  # SIGKILL to the worker
     group_kill_at: float | None = None  # SIGKILL to its process group, if it still runs
+    started: bool = False  # its first heartbeat was seen
 
 
 class Watchdog:
     """The watchdog of one WorkerGroup: channels created before the workers start, checked on every poll."""
 
-    def __init__(self, policy: Policy | None, paths: list[Path], clock=time.monotonic) -> None:
-        self.policy = policy
+    def __init__(self, policy: Policy | None, paths: list[Path], clock=time.monotonic,
+                 startups: StartupHistory | None = None) -> None:  # fmt: skip
+        self.startups = startups if startups is not None else StartupHistory()
+        self.policy = self.startups.policy(policy)
         self.clock = clock
+        self.started_at = clock()
         self.workers = [_Worker(path) for path in paths]
         for worker in self.workers:
             if policy is None:
@@ -279,13 +324,17 @@ class Watchdog:
                 worker.kill_at = worker.group_kill_at = None  # nothing left to kill
                 continue
             if worker.hang is None and self._open(worker):
-                worker.watch.observe(channel.read_seq(worker.view), now)
+                seq = channel.read_seq(worker.view)
+                if not worker.started and seq != worker.watch.seq:
+                    self._note_start(worker, now)
+                worker.watch.observe(seq, now)
                 hang = None
                 if worker.watch.silent_for(now) > self.policy.floor:
                     cached = worker.watch.snapshot  # nothing changed since it was read: no need to read it again
                     snapshot = cached if cached is not None and cached.seq == worker.watch.seq else None
                     hang = worker.watch.verdict(self.policy, snapshot or channel.read(worker.view), now)
                 if hang is not None:
+                    hang = dataclasses.replace(hang, stalled_peers=tuple(failure_evidence.stalled_peers(self._owner(worker, process))))
                     worker.hang = hang
                     logger.error("worker local_rank %d (rank %d) is hung: %s; dumping its stacks, then killing its "
                                  "process group", local_rank, first_rank + local_rank, hang.summary())  # fmt: skip
@@ -296,6 +345,13 @@ class Watchdog:
             if worker.group_kill_at is not None and now >= worker.group_kill_at:
                 worker.group_kill_at = None
                 signal_group(process, signal.SIGKILL)
+
+    def _note_start(self, worker: _Worker, now: float) -> None:
+        """Record the worker's start-up (spawn to first heartbeat) once its channel shows a heartbeat."""
+        snapshot = channel.read(worker.view)
+        if snapshot is not None and snapshot.beats:
+            worker.started = True
+            self.startups.record(now - self.started_at)
 
     def _open(self, worker: _Worker) -> bool:
         if worker.view is None:

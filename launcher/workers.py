@@ -19,7 +19,8 @@ from launcher.config import LaunchConfig, Std
 from launcher.network import gloo_interface_env
 from launcher.process_tree import stop_group, supervised_command
 from launcher.records import MasterRecord, Member, RoundHeader, WorkerFailure
-from launcher.watchdog import HEARTBEAT_FILE, Policy, Watchdog, read_dump
+from launcher import failure_evidence
+from launcher.watchdog import HEARTBEAT_FILE, Policy, StartupHistory, Watchdog, read_dump
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ class WorkerOutcome(enum.Enum):
 class WorkerGroup:
     """The local workers of one round, each in its own process group so its whole tree can be stopped."""
 
-    def __init__(self, config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord) -> None:
+    def __init__(self, config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord,
+                 startups: StartupHistory | None = None) -> None:  # fmt: skip
         self.config = config
         self.round = round_
         self.member = member
@@ -106,7 +108,8 @@ class WorkerGroup:
         self._exited_at: dict[int, float] = {}
         # heartbeat channels exist before the workers start (or, with the watchdog off, stale ones are gone)
         self.watchdog = Watchdog(Policy.from_config(config),
-                                 [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)])  # fmt: skip
+                                 [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)],
+                                 startups=startups)  # fmt: skip
 
     def start(self) -> None:
         # each worker runs under a supervisor: its whole tree dies with the agent (even SIGKILLed) or with it
@@ -185,11 +188,17 @@ class WorkerGroup:
                 rank=self.member.first_rank + local_rank, exit_code=self.processes[local_rank].returncode,
                 time=hang.failed_at(dump), message=hang.describe(dump), traceback=dump[-8000:] or traceback, hung=True,
                 seconds_silent=round(hang.seconds_silent, 3), last_step=hang.last_step,
+                path_broken=bool(hang.stalled_peers), unreachable=list(hang.stalled_peers),
+                consequence=hang.waited_on_peer(dump) and not hang.stalled_peers,
             )  # fmt: skip
+        evidence = f"{message}\n{traceback}"
         return WorkerFailure(
             node=self.config.node_id, round=self.round.round, local_rank=local_rank,
             rank=self.member.first_rank + local_rank, exit_code=self.processes[local_rank].returncode,
             time=written or self._exited_at[local_rank], message=message, traceback=traceback,
+            path_broken=failure_evidence.says_unreachable(evidence),
+            unreachable=failure_evidence.unreachable_peers(evidence),
+            consequence=failure_evidence.says_peer_failed(evidence),
         )  # fmt: skip
 
     def stop(self, signum: int = signal.SIGTERM) -> None:

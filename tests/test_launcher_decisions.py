@@ -17,11 +17,21 @@ from launcher.decisions import (
     Settings,
     Wait,
     assign_ranks,
+    charged_nodes,
     decide,
     track,
 )
 from launcher.job_view import JobView, RoundReports
-from launcher.records import JobStatus, LeaveRecord, NodeFailure, NodeRecord, RollCall, RoundRecord, WorkerFailure
+from launcher.records import (
+    JobStatus,
+    LeaveRecord,
+    Member,
+    NodeFailure,
+    NodeRecord,
+    RollCall,
+    RoundRecord,
+    WorkerFailure,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -269,3 +279,57 @@ def test_a_quarantined_node_is_readmitted_as_a_waiting_node_when_its_cooldown_en
     assert (type(decision), decision.reason) == (FormRound, RoundReason.SCALE_UP)
     assert [m.node for m in decision.members] == ["a", "b", "c"] and decision.readmitted == ["c"]
     assert decision.quarantined == {}
+
+
+# -- who is charged with a round's failure -----------------------------------------------------------------------
+MEMBERS = [Member(n, 1, i, 1, i, f"10.0.0.{i + 1}") for i, n in enumerate("abcd")]  # a: .1, b: .2, c: .3, d: .4
+
+
+def worker(name: str, at: float, unreachable: tuple[str, ...] = (), broken: bool | None = None,
+           consequence: bool = False) -> WorkerFailure:  # fmt: skip
+    return WorkerFailure(node=name, round=0, local_rank=0, rank="abcd".index(name), exit_code=1, time=at,
+                         path_broken=bool(unreachable) if broken is None else broken, unreachable=list(unreachable),
+                         consequence=consequence)  # fmt: skip
+
+
+PEER = {"consequence": True}  # it failed because a peer did
+
+
+@pytest.mark.parametrize(
+    "failures, charged",
+    [
+        # no evidence of a broken path: the earliest failure's node
+        ([worker("a", 2.0), worker("c", 1.0), worker("b", 3.0)], ["c"]),
+        # ... that was not a consequence of a peer's failure (a reset seen before the crash was recorded)
+        ([worker("a", 1.0, **PEER), worker("c", 2.0), worker("b", 3.0, **PEER)], ["c"]),
+        ([worker("a", 1.0, **PEER), worker("b", 3.0, **PEER)], []),  # every rank waited in a collective
+        # b and c lost each other (both ends or one end saw it); a, which reset earliest, is not charged
+        ([worker("a", 1.0), worker("b", 2.0, ("10.0.0.3",)), worker("c", 2.0, ("10.0.0.2",))], ["b", "c"]),
+        ([worker("a", 1.0), worker("b", 2.0, ("10.0.0.3",)), worker("c", 2.0)], ["b", "c"]),
+        # a connect with no route, its peer unknown: its reporter
+        ([worker("a", 1.0, **PEER), worker("b", 2.0, broken=True)], ["b"]),
+        # d lost everyone: it touches every broken path
+        ([worker("a", 1.0, ("10.0.0.4",)), worker("b", 2.0, ("10.0.0.4",)), worker("d", 3.0, ("10.0.0.1",))], ["d"]),
+        # an address that is not a member's, or the failing node's own, names no peer
+        ([worker("a", 1.0, ("192.168.9.9", "10.0.0.1")), worker("b", 0.5)], ["a"]),
+    ],
+)
+def test_a_failure_is_charged_to_the_ends_of_broken_paths_else_to_the_root_cause(failures, charged):
+    assert charged_nodes(failures, MEMBERS) == charged
+
+
+def test_an_address_nodes_share_names_none_of_them_and_the_path_touches_its_reporter_only():
+    shared = [Member(n, 1, i, 1, i, "10.0.0.9" if n != "a" else "10.0.0.1") for i, n in enumerate("abc")]
+    failures = [worker("a", 2.0, ("10.0.0.9",)), worker("b", 1.0)]
+    assert charged_nodes(failures, shared) == ["a"]
+
+
+def test_both_ends_of_a_cut_take_a_strike_and_one_sits_out_when_min_allows():
+    failed = {"a": failure("a", at=1.0)}
+    failed["b"] = NodeFailure(node="b", round=0, failures=[worker("b", 2.0, ("10.0.0.1",))])
+    job = view("a", "b", "c", round_of=("a", "b", "c"), failed=failed, done={"c"})
+    job.nodes = {n: r.model_copy(update={"addr": f"10.0.0.{'abc'.index(n) + 1}"}) for n, r in job.nodes.items()}
+    job.round = RoundRecord.of(0, assign_ranks(None, job.nodes, 99), 0, "initial")
+    decision = at(strikes(job, {"a": 2, "b": 2}), T0, T0, dataclasses.replace(SETTINGS, max_restarts=9))
+    assert decision.newly_quarantined == ["a"], "a tie quarantines the first by name, and only one: MIN is 2"
+    assert [m.node for m in decision.members] == ["b", "c"] and decision.strikes == {"b": 3}

@@ -20,7 +20,16 @@ from launcher.membership_log import format_table, read_events
 from launcher.process_tree import child_pids
 from launcher.protocol import JobStore
 from launcher.records import MasterRecord, Member, NodeFailure, RoundRecord, WorkerFailure
-from launcher.watchdog import Hang, Policy, WorkerWatch, allowance, last_dump, main_thread_frame, parse_timeout
+from launcher.watchdog import (
+    Hang,
+    Policy,
+    StartupHistory,
+    WorkerWatch,
+    allowance,
+    last_dump,
+    main_thread_frame,
+    parse_timeout,
+)
 from launcher.workers import WorkerGroup, WorkerOutcome, worker_env
 from launcher_harness import PROBE, REPO
 
@@ -74,6 +83,30 @@ def test_a_worker_that_never_heartbeats_is_never_watched():
     # a long operation alone (seq moves, no heartbeat) does not arm the watchdog either
     assert watch.verdict(Policy(timeout=1.0), snapshot(2, 0), now=2e6) is None
     assert watch.verdict(Policy(timeout=1.0), snapshot(2, 0), now=3e6) is None
+
+
+@pytest.mark.timeout(10)
+def test_once_a_node_saw_heartbeats_a_new_worker_gets_the_start_up_allowance():
+    history = StartupHistory()
+    assert history.policy(Policy(timeout=3.0)).startup is None, "no start-up seen: not watched before a heartbeat"
+    assert history.policy(None) is None, "the watchdog stays off"
+    history.record(4.0)
+    history.record(2.0)
+    assert history.policy(Policy(timeout=3.0)).startup == 20.0  # 5 x the longest start-up
+    assert history.policy(AUTO).startup == 60.0  # never below the least normal allowance
+    history.record(20.0)
+    assert history.policy(AUTO).startup == 100.0
+    policy = history.policy(Policy(timeout=3.0, long_op=600.0))
+    watch = WorkerWatch()
+    watch.observe(0, now=0.0)
+    assert watch.verdict(policy, snapshot(0, 0), now=100.0) is None
+    hang = watch.verdict(policy, snapshot(0, 0), now=100.5)
+    assert hang.starting and hang.allowance == 100.0 and "none yet in this round" in hang.describe()
+    watch = WorkerWatch()
+    watch.observe(0, now=0.0)
+    loading = channel.LongOp("checkpoint load", None)
+    assert watch.verdict(policy, snapshot(1, 0, long_op=loading), now=100.0) is None  # its own allowance: 600 s
+    assert watch.verdict(policy, snapshot(1, 0, long_op=loading), now=701.0).allowance == 600.0
 
 
 @pytest.mark.timeout(10)
