@@ -32,6 +32,7 @@ from launcher.controller import Controller
 from launcher.etcd_server import free_port
 from launcher.job_view import JobView, ViewParser
 from launcher.lease_keeper import LeaseKeeper
+from launcher.liveness import LivenessServer
 from launcher.membership_log import LogMirror
 from launcher.protocol import Holder, JobStore, NodeIdTaken
 from launcher.records import JobStatus, MasterRecord, Member, NodeFailure, NodeRecord, RoundHeader
@@ -105,6 +106,7 @@ class Agent:
         self.run_: RoundRun | None = None
         self.signal_received: int | None = None
         self.mirror: RangeMirror | None = None
+        self.liveness: LivenessServer | None = None  # answers the controller's probes while this agent lives
         self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
         self._controller: threading.Thread | None = None
         self._stop_controller = threading.Event()
@@ -122,6 +124,7 @@ class Agent:
         if status is not None:
             return self._job_already_over(status)
         self.mirror = RangeMirror(self.client, self.store.keys.ctl).start()
+        self.liveness = LivenessServer(self.addr).start()
         try:
             self._join()
             return self._loop()
@@ -130,6 +133,7 @@ class Agent:
             self._stop_workers()
             if self.keeper is not None:
                 self.keeper.stop()
+            self.liveness.stop()
             self.mirror.close()
             self._sync_log()
 
@@ -147,8 +151,9 @@ class Agent:
         """Register a new incarnation of this node under a fresh lease, kept alive from now on."""
         while True:
             lease = self.store.grant_lease(self.config.rdzv.lease_ttl)
+            self.liveness.incarnation = lease.id
             record = NodeRecord(node=self.node_id, addr=self.addr, nproc=self.config.nproc_per_node, lease=lease.id,
-                                pid=os.getpid())  # fmt: skip
+                                pid=os.getpid(), probe_port=self.liveness.port)  # fmt: skip
             try:
                 self.store.register(record)
                 break

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rdzv-endpoint", dest="rdzv_endpoint", default="", help="etcd host:port, or a comma-separated list")
     add("--rdzv-id", dest="rdzv_id", default=None, help="job id: every agent of one job passes the same")
     add("--rdzv-conf", dest="rdzv_conf", default="", help="k=v,... keep_alive_interval, keep_alive_max_attempt, "
-        "join_timeout, last_call_timeout, close_timeout, max_events, quarantine_after, quarantine_cooldown")  # fmt: skip
+        "join_timeout, last_call_timeout, close_timeout, max_events, quarantine_after, quarantine_cooldown, "
+        "probe_timeout")  # fmt: skip
     add("--standalone", dest="standalone", action="store_true", help="run a private etcd on free loopback ports")
     add("--max-restarts", dest="max_restarts", default="0", help="worker failures tolerated, job-wide (default 0)")
     add("--monitor-interval", dest="monitor_interval", default="0.1", help="seconds between worker checks")

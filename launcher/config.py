@@ -41,6 +41,8 @@ class RendezvousSettings(BaseModel):
     max_events: int = Field(10000, ge=1, description="membership events etcd keeps per job (membership.jsonl keeps all)")
     quarantine_after: int = Field(3, ge=0, description="consecutive failing rounds after which a node sits out (0: never)")
     quarantine_cooldown: float = Field(300.0, ge=0, description="seconds a quarantined node is kept out of rounds")
+    probe_timeout: float = Field(0.5, ge=0, description="seconds a silent member's agent has to answer a liveness "
+                                 "probe when its peers' workers failed (0: no probes, the lease decides)")
 
     @property
     def lease_ttl(self) -> int:

@@ -8,9 +8,11 @@ stops it, or when it sees that it no longer holds the controller key.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from launcher import etcd_client
 from launcher.config import LaunchConfig
@@ -22,6 +24,7 @@ from launcher.decisions import (
     FormRound,
     ForgetLeft,
     MarkLost,
+    ProbeMembers,
     RoundReason,
     Settings,
     Wait,
@@ -29,6 +32,7 @@ from launcher.decisions import (
     track,
 )
 from launcher.job_view import JobView, ViewParser
+from launcher.liveness import probe
 from launcher.membership_log import LogMirror, new_event
 from launcher.protocol import Holder, JobStore
 from launcher.records import JobStatus, RoundRecord
@@ -43,6 +47,7 @@ _LOG_SYNC_EVERY_S = 0.5
 # before the next one batches the storm and caps the controller at a fraction of a core.
 _PAUSE_PER_READ = 4.0
 _MAX_PAUSE_S = 0.25
+_MAX_PARALLEL_PROBES = 64
 
 
 def settings_from(config: LaunchConfig) -> Settings:
@@ -51,6 +56,7 @@ def settings_from(config: LaunchConfig) -> Settings:
         max_restarts=config.max_restarts, join_timeout=config.rdzv.join_timeout,
         last_call_timeout=config.rdzv.last_call_timeout, close_timeout=config.rdzv.close_timeout,
         quarantine_after=config.rdzv.quarantine_after, quarantine_cooldown=config.rdzv.quarantine_cooldown,
+        probe_timeout=config.rdzv.probe_timeout,
     )  # fmt: skip
 
 
@@ -101,6 +107,8 @@ class Controller:
                 mirror.wait(version, max(timeout, 0.0))
                 stop.wait(min(_MAX_PAUSE_S, _PAUSE_PER_READ * read_cost))
                 continue
+            if isinstance(decision, ProbeMembers):
+                clock = dataclasses.replace(clock, probed=clock.probed | set(decision.members))
             try:
                 self._apply(decision, view)
             except Exception as exc:
@@ -132,6 +140,8 @@ class Controller:
         elif isinstance(decision, CallRollCall):
             if self.store.call_rollcall(self.holder, decision.round, view.round_revision):
                 logger.info("round %d: workers failed while members are silent; roll call", decision.round)
+        elif isinstance(decision, ProbeMembers):
+            self._probe(decision, view)
         elif isinstance(decision, ForgetLeft):
             self.store.forget_left(self.holder, decision.nodes)
         elif isinstance(decision, EndJob):
@@ -173,6 +183,15 @@ class Controller:
                 logger.warning("node %s lost in round %d: %s", node, number, reason)
         for node, lease in decision.revoke.items():
             self.store.revoke(lease)  # fences the node: an agent alive after all finds its lease gone
+
+    def _probe(self, decision: ProbeMembers, view: JobView) -> None:
+        """Probe the silent members at once; those that do not answer are lost now, and fenced."""
+        targets = list(decision.members.values())
+        with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_PROBES, len(targets))) as pool:
+            answers = pool.map(lambda r: probe(r.addr, r.probe_port, r.lease, self.settings.probe_timeout), targets)
+        failed = {record.node: why for record, why in zip(targets, answers) if why is not None}
+        if failed:
+            self._mark_lost(MarkLost(failed, {node: decision.members[node].lease for node in failed}), view)
 
     def _end(self, decision: EndJob, view: JobView) -> None:
         status = JobStatus(state="finished" if decision.finished else "failed", summary=decision.summary)

@@ -12,10 +12,11 @@ through `launcher.protocol`. The rules, in the order they are tried:
    `join_timeout`. A loss never counts against `--max-restarts`.
 5. A member announced it is leaving: wait until its registration is gone (it keeps its lease until its
    workers exited); after `close_timeout` it is evicted.
-6. Workers failed: every member that has not reported is asked to answer a roll call. Once all have answered,
-   the failure is a worker failure: a new round with one more restart, or the end of the job past
-   `--max-restarts`. A member that never answers is dead or hung: its lease ends (rule 4) or, after
-   `close_timeout`, it is evicted; either way, a loss.
+6. Workers failed: every member that has not reported is asked to answer a roll call, and its agent is probed
+   (`probe_timeout`, launcher.liveness). Once all have answered, the failure is a worker failure: a new round
+   with one more restart, or the end of the job past `--max-restarts`. A member whose agent refuses or does not
+   answer the probe is lost at once; one that never answers the roll call is dead or hung: its lease ends
+   (rule 4) or, after `close_timeout`, it is evicted; either way, a loss.
 7. Every member reported success: the job finished.
 8. Members that did not start the round within `close_timeout` are evicted; nodes waiting outside a round
    that has room form a scale-up round once MAX are present or `last_call_timeout` passed.
@@ -60,6 +61,7 @@ class Settings:
     close_timeout: float
     quarantine_after: int = 0  # 0: never
     quarantine_cooldown: float = 0.0
+    probe_timeout: float = 0.0  # 0: silent members are not probed (launcher.liveness)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class Clock:
     joiner_since: float | None = None  # a node waits outside a round that has room
     rollcall_since: float | None = None
     leaving_since: float | None = None
+    probed: frozenset[str] = frozenset()  # members of this round the controller probed (it adds them)
 
 
 # -- decisions -------------------------------------------------------------------------------------------------
@@ -109,6 +112,13 @@ class CallRollCall:
 
 
 @dataclass(frozen=True)
+class ProbeMembers:
+    """Probe these silent members' agents; one that does not answer is lost at once (launcher.liveness)."""
+
+    members: dict[str, NodeRecord]  # node -> its registration: address, probe port, incarnation
+
+
+@dataclass(frozen=True)
 class ForgetLeft:
     nodes: list[str]
 
@@ -120,7 +130,7 @@ class EndJob:
     cause: WorkerFailure | None = None
 
 
-Decision = Wait | FormRound | MarkLost | CallRollCall | ForgetLeft | EndJob
+Decision = Wait | FormRound | MarkLost | CallRollCall | ProbeMembers | ForgetLeft | EndJob
 
 
 # -- pure helpers ----------------------------------------------------------------------------------------------
@@ -336,6 +346,10 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
             if rollcall is None:
                 return CallRollCall(round_.round)
             unanswered = [m for m in silent if reports.alive.get(m.node) != rollcall.nonce]
+            unprobed = {m.node: view.nodes[m.node] for m in unanswered
+                        if settings.probe_timeout and m.node not in clock.probed and view.nodes[m.node].probe_port}
+            if unprobed:
+                return ProbeMembers(unprobed)
             if unanswered:
                 return _evict_after_close_timeout(unanswered, clock.rollcall_since, now, settings,
                                                   "did not answer the roll call",

@@ -35,6 +35,7 @@ class NodeRecord(Record):
     lease: int
     pid: int
     joined_at: float = Field(default_factory=time.time)
+    probe_port: int = 0  # where its agent answers liveness probes (launcher.liveness); 0: it does not
 
 
 @dataclass(frozen=True)

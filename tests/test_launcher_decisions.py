@@ -13,6 +13,7 @@ from launcher.decisions import (
     ForgetLeft,
     FormRound,
     MarkLost,
+    ProbeMembers,
     RoundReason,
     Settings,
     Wait,
@@ -163,6 +164,21 @@ def test_failures_while_a_member_is_silent_call_the_roll_and_wait_without_a_time
     assert isinstance(at(job, T0, T0 + 29), Wait)
     del job.nodes["b"]  # the lease ended at last
     assert at(job, T0, T0 + 29) == MarkLost({"b": "lease expired"})
+
+
+def test_a_silent_member_is_probed_once_when_probes_are_on_and_its_agent_has_a_port():
+    probing = dataclasses.replace(SETTINGS, probe_timeout=0.5)
+    job = view("a", "b", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"}, failed={"a": failure("a")},
+               alive={"c": "n1"})  # fmt: skip
+    job.rollcalls[0] = RollCall(round=0, nonce="n1")
+    assert isinstance(at(job, T0, T0, probing), Wait), "b registered no probe port (an older agent): no probe"
+    job.nodes["b"] = job.nodes["b"].model_copy(update={"probe_port": 4100})
+    assert at(job, T0, T0) == Wait(T0 + 30, "roll call: 1 member(s) have not answered"), "probes are off"
+    decision = at(job, T0, T0, probing)
+    assert decision == ProbeMembers({"b": job.nodes["b"]}), "b only: c answered the roll call"
+    _, clock = settle(job, T0, settings=probing)
+    clock = dataclasses.replace(clock, probed=frozenset({"b"}))  # the controller probed it; it answered
+    assert isinstance(decide(job, clock, T0 + 1, probing), Wait), "probed once per round"
 
 
 def test_a_silent_member_that_answers_the_roll_call_makes_it_a_worker_failure():

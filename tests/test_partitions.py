@@ -407,6 +407,10 @@ def test_node_cut_from_one_peer_is_quarantined(make_network, tmp_path, how):
     report(case, f"cut node{a} <-> node{b} ({mode}; node{controller}, the controller, reaches both); quarantined "
                  f"{quarantined}; exit codes {rcs}; rounds {rounds(events)}")  # fmt: skip
     report(case, "failures (round, event, node, rank, message):\n  " + "\n  ".join(map(str, failures)))
+    for end in (a, b):
+        own = [line for line in job.output(end).splitlines() if any(word in line for word in ("WARNING", "ERROR",
+               "quarantin", "spare", "joined job"))]  # fmt: skip
+        report(case, f"node{end}'s own log:\n  " + "\n  ".join(line[:300] for line in own[:16]))
     if recovered:
         trained = sorted({c["node"] for c in job.collectives() if c["world_size"] == 2 and c["time"] > cut_at})
         report(case, f"first collective at world 2 after {recovered['time'] - cut_at:.1f}s (nodes {trained})")

@@ -1,0 +1,81 @@
+"""A fast failure detector: each agent answers liveness probes on a small TCP port named in its registration.
+
+The lease TTL is the backstop for a lost node, and it is seconds. When a member falls silent while its peers'
+workers fail, the controller probes it (`launcher.decisions`, rule 6) and does not wait for the lease:
+
+- the agent answers with its incarnation (its lease id, hex, one line) from a thread of its own, so a busy main
+  loop still answers; an agent that is stopped (SIGSTOP) or whose host is gone does not answer within
+  `probe_timeout`; a dead agent on a live host refuses the connection at once;
+- any answer but its own incarnation's (a newer agent on that port) counts as no answer.
+
+A node that fails its probe is marked lost and its lease revoked, which fences it: an agent alive after all
+finds its lease gone, stops its workers and rejoins as a newcomer.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+_ACCEPT_WAKE_S = 0.5  # how often the server thread looks whether it should stop
+
+
+class LivenessServer:
+    """Answers every connection on (addr, an ephemeral port) with `incarnation`, from its own thread."""
+
+    def __init__(self, addr: str) -> None:
+        self._socket = socket.create_server((addr, 0), family=_family(addr), backlog=64)
+        self._socket.settimeout(_ACCEPT_WAKE_S)
+        self.port: int = self._socket.getsockname()[1]
+        self.incarnation = 0
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="liveness", daemon=True)
+
+    def start(self) -> "LivenessServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=2 * _ACCEPT_WAKE_S)
+        self._socket.close()
+
+    def _serve(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                connection, _ = self._socket.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            with connection:
+                try:
+                    connection.sendall(f"{self.incarnation:x}\n".encode())
+                except OSError:
+                    pass  # the prober gave up: nothing to answer
+
+
+def probe(addr: str, port: int, incarnation: int, timeout: float) -> str | None:
+    """None when the agent of `incarnation` answered within `timeout` seconds; otherwise why it did not."""
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((addr, port), timeout=timeout) as connection:
+            connection.settimeout(max(deadline - time.monotonic(), 0.001))
+            answer = connection.recv(64).strip().decode(errors="replace")
+    except ConnectionRefusedError:
+        return "liveness probe refused: the agent is gone"
+    except TimeoutError:
+        return f"no answer to a liveness probe within probe_timeout={timeout:g}s"
+    except OSError as exc:
+        return f"liveness probe failed: {exc.strerror or exc}"
+    if answer != f"{incarnation:x}":
+        return f"liveness probe answered by another incarnation ({answer or 'nothing'})"
+    return None
+
+
+def _family(addr: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in addr else socket.AF_INET

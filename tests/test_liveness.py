@@ -1,0 +1,50 @@
+"""The fast failure detector's probe: a live agent answers with its incarnation; a gone or stopped one does not."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher.liveness import LivenessServer, probe
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_live_agent_answers_with_its_incarnation():
+    server = LivenessServer("127.0.0.1").start()
+    server.incarnation = 0x1F2E
+    try:
+        assert probe("127.0.0.1", server.port, 0x1F2E, timeout=2.0) is None
+        assert "another incarnation (1f2e)" in probe("127.0.0.1", server.port, 0x99, timeout=2.0)
+    finally:
+        server.stop()
+    assert "refused" in probe("127.0.0.1", server.port, 0x1F2E, timeout=2.0), "stopped: the port is closed"
+
+
+def test_a_stopped_agent_does_not_answer_within_the_timeout():
+    code = ("from launcher.liveness import LivenessServer; import time; s = LivenessServer('127.0.0.1').start(); "
+            "s.incarnation = 7; print(s.port, flush=True); time.sleep(60)")  # fmt: skip
+    agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(agent.stdout.readline())
+        assert probe("127.0.0.1", port, 7, timeout=2.0) is None
+        os.kill(agent.pid, signal.SIGSTOP)  # the kernel still accepts the connection; nobody answers it
+        started = time.monotonic()
+        assert "no answer to a liveness probe within probe_timeout=0.3s" == probe("127.0.0.1", port, 7, timeout=0.3)
+        assert time.monotonic() - started < 1.0
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_an_address_nobody_listens_on_is_refused_at_once():
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+    assert "refused" in probe("127.0.0.1", port, 1, timeout=2.0)
