@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,8 @@ def test_a_stopped_agent_does_not_answer_within_the_timeout():
         port = int(agent.stdout.readline())
         assert probe("127.0.0.1", port, 7, timeout=2.0) is None
         os.kill(agent.pid, signal.SIGSTOP)  # the kernel still accepts the connection; nobody answers it
+        while Path(f"/proc/{agent.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)  # the stop takes effect asynchronously
         started = time.monotonic()
         assert "no answer to a liveness probe within probe_timeout=0.3s" == probe("127.0.0.1", port, 7, timeout=0.3)
         assert time.monotonic() - started < 1.0
