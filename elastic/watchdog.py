@@ -10,8 +10,8 @@
         manager.load_latest(state)
 
 The channel is a small shared-memory file per worker that the agent creates in the worker's log directory and
-names in `ELASTIC_HEARTBEAT_FILE` (see `launcher.watchdog`). Without that variable (plain `python`, torchrun, an
-elastic-run with `--watchdog-timeout off`) every call here is a no-op. A script that never calls `heartbeat` is
+names in `ELASTIC_HEARTBEAT_FILE` (see `launcher.watchdog`). Without that variable (plain `python`, torchrun)
+every call here is a no-op; with `--watchdog-timeout off` the agent judges no silence. A script that never calls `heartbeat` is
 never watched; once it has, a worker that stays silent longer than its allowance is taken for hung: the agent
 sends `DUMP_SIGNAL`, on which this module has `faulthandler` write every thread's Python stack to the worker's
 stderr (fd 2: its stderr.log under --redirects/--tee), and kills the worker's process group a moment later.
@@ -42,6 +42,15 @@ Layout (little-endian, `SIZE` bytes; the writer bumps `seq` to odd before a chan
 | 72     | op_started   | f64       | CLOCK_MONOTONIC when the outermost one began (informational)          |
 | 80     | op_name      | 48s       | its name, UTF-8, NUL-padded                                           |
 | 128    | ring         | f64 x 100 | the last `WINDOW` step intervals (between heartbeats, less the time inside long operations), by `ring_total % WINDOW` |
+| 928    | drain_request| u64       | written by the agent: the drain it asks for (0: none), see below      |
+| 936    | drain_done   | u64       | the last drain this worker committed a checkpoint for                 |
+| 944    | drain_step   | i64       | that checkpoint's step                                                |
+| 952    | drainable    | u32       | 1 once a `CheckpointManager` that answers drains runs in this worker  |
+
+The channel also carries drains (`launcher.drain`): before a planned change (a node joining, an agent told to
+stop) the agent writes a drain number into `drain_request`; `CheckpointManager.should_save` sees it, the ranks
+agree on the step, save and commit, and each writes the number into `drain_done`, then waits at the step
+boundary until the request is withdrawn or the round ends.
 """
 
 from __future__ import annotations
@@ -75,12 +84,15 @@ _PID_SIGNAL = struct.Struct("<Ii")
 _U64 = struct.Struct("<Q")
 _BEAT = struct.Struct("<Qqd")  # beats, last_step, last_beat at offset 24
 _U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
 _OP = struct.Struct("<dd48s")  # op_timeout, op_started, op_name at offset 64
 _RING = struct.Struct(f"<{WINDOW}d")
 _SNAPSHOT = struct.Struct(f"<4sIIiQQqdI4xQdd48s{WINDOW}d")
 OFF_PID, OFF_SEQ, OFF_BEAT, OFF_DEPTH, OFF_RING_TOTAL, OFF_OP, OFF_RING = 8, 16, 24, 48, 56, 64, 128
-assert _SNAPSHOT.size == OFF_RING + _RING.size <= SIZE
+OFF_DRAIN_REQUEST, OFF_DRAIN_DONE, OFF_DRAINABLE = 928, 936, 952
+_DRAIN_DONE = struct.Struct("<Qq")  # drain_done, drain_step
+assert _SNAPSHOT.size == OFF_RING + _RING.size == OFF_DRAIN_REQUEST and OFF_DRAINABLE + _U32.size <= SIZE
 
 
 def create_channel(path: os.PathLike | str) -> None:
@@ -97,6 +109,29 @@ def create_channel(path: os.PathLike | str) -> None:
         os.write(fd, bytes(blank))
     finally:
         os.close(fd)
+
+
+def request_drain(path: os.PathLike | str, number: int) -> None:
+    """The agent's side: ask the worker of the channel at `path` for drain `number` (0 withdraws the request)."""
+    fd = os.open(os.fspath(path), os.O_WRONLY)
+    try:
+        os.pwrite(fd, _U64.pack(number), OFF_DRAIN_REQUEST)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class DrainState:
+    """What a worker said of drains, read from its channel by the agent."""
+
+    drainable: bool
+    done: int
+    step: int | None
+
+
+def read_drain(view) -> DrainState:
+    done, step = _DRAIN_DONE.unpack_from(view, OFF_DRAIN_DONE)
+    return DrainState(bool(_U32.unpack_from(view, OFF_DRAINABLE)[0]), done, step if done else None)
 
 
 @dataclass(frozen=True)
@@ -235,6 +270,18 @@ class Channel:
                 self._op_time += now - self._op_began
             self._write_ops(started=False)
 
+    def drain_requested(self) -> int:
+        return _U64.unpack_from(self._view, OFF_DRAIN_REQUEST)[0]
+
+    def set_drainable(self) -> None:
+        if os.getpid() == self._pid:
+            _U32.pack_into(self._view, OFF_DRAINABLE, 1)
+
+    def report_drained(self, number: int, step: int) -> None:
+        if os.getpid() == self._pid:
+            _I64.pack_into(self._view, OFF_DRAIN_DONE + 8, step)  # the step first: the number makes it count
+            _U64.pack_into(self._view, OFF_DRAIN_DONE, number)
+
     def _write_ops(self, started: bool) -> None:
         view = self._view
         self._begin_write()
@@ -260,6 +307,15 @@ class _Disabled:
     def end(self, token: int | None) -> None:
         pass
 
+    def drain_requested(self) -> int:
+        return 0
+
+    def set_drainable(self) -> None:
+        pass
+
+    def report_drained(self, number: int, step: int) -> None:
+        pass
+
 
 _DISABLED = _Disabled()
 _channel: Channel | _Disabled | None = None  # None: not looked up yet
@@ -275,7 +331,7 @@ def open_channel(path: str | None, clock=time.monotonic, install_hooks: bool = T
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError:
-        return _DISABLED  # the agent watches nothing (--watchdog-timeout off), or this is not its worker
+        return _DISABLED  # this is not an elastic-run worker
     try:
         if os.fstat(fd).st_size != SIZE:
             raise OSError(errno.EINVAL, "not a heartbeat channel")
@@ -317,12 +373,17 @@ def _current() -> Channel | _Disabled:
 def heartbeat(step: int | None = None) -> None:
     """This worker made progress (call once per training step); `step` shows in the log if it is found hung.
 
-    A no-op outside elastic-run, in a forked child, and with `--watchdog-timeout off`.
+    A no-op outside elastic-run and in a forked child; unjudged with `--watchdog-timeout off`.
     """
     channel = _channel
     if channel is None:
         channel = _current()
     channel.beat(step)
+
+
+def drain_channel() -> Channel | _Disabled:
+    """This worker's channel, for `elastic.checkpoint`'s drains (the no-op one outside elastic-run)."""
+    return _channel if _channel is not None else _current()
 
 
 class long_operation:

@@ -120,6 +120,11 @@ def report(endpoint: str, sample_log: Path, global_batch: int) -> None:
     used = [i for _, samples in latest.values() for i in samples]
     print(f"{len(latest)} steps: {len(used)} samples used, {len(set(used))} distinct, "
           f"{len(latest) * global_batch} expected")  # fmt: skip
+    rounds_of: dict[int, set[int]] = {}
+    for record in steps_done(sample_log):
+        rounds_of.setdefault(record["step"], set()).add(record["round"])
+    redone = sorted(step for step, rounds in rounds_of.items() if len(rounds) > 1)
+    print(f"steps redone after a change: {len(redone)}" + (f" ({redone[0]}..{redone[-1]})" if redone else ""))
 
 
 def run(args: argparse.Namespace) -> int:

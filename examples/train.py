@@ -276,7 +276,9 @@ def main(config: TrainConfig) -> None:
     # The keys match torchtitan's entries, so a torchtitan checkpoint's per-rank "dataloader"
     # and its "lr_scheduler" are recognised as foreign layouts and regenerated from the step.
     state = {"model": ModelState(model, optimizer), "dataloader": sampler, "lr_scheduler": schedule}
-    manager = CheckpointManager(config.ckpt_dir, keep=3, async_save=True) if config.ckpt_dir else None
+    manager = None
+    if config.ckpt_dir:
+        manager = CheckpointManager(config.ckpt_dir, keep=3, async_save=True, every=config.ckpt_every)
     with long_operation("checkpoint load"):  # may take long: elastic-run's watchdog allows it more time
         start = (manager.load_latest(state) if manager else None) or 0
     if config.stop_at is not None and start >= config.stop_at:
@@ -316,7 +318,8 @@ def main(config: TrainConfig) -> None:
         if config.crash_at == step and round_number == 0 and rank == 0:
             logger.error("simulated failure after step %d (--crash-at)", step)
             os._exit(CRASH_EXIT_CODE)
-        if manager and (step % config.ckpt_every == 0 or step in (config.steps, config.stop_at)):
+        # every --ckpt-every steps, or when elastic-run drains before a node joins or leaves (every rank asks)
+        if manager and (manager.should_save(step) or step in (config.steps, config.stop_at)):
             with long_operation("checkpoint save"):
                 manager.save(step, state)
         if config.stop_at == step:

@@ -35,7 +35,16 @@ from launcher.lease_keeper import LeaseKeeper
 from launcher.liveness import LivenessServer
 from launcher.membership_log import LogMirror
 from launcher.protocol import Holder, JobStore, NodeIdTaken
-from launcher.records import JobStatus, MasterRecord, Member, NodeFailure, NodeRecord, RoundHeader
+from launcher.records import (
+    DrainReport,
+    DrainRequest,
+    JobStatus,
+    MasterRecord,
+    Member,
+    NodeFailure,
+    NodeRecord,
+    RoundHeader,
+)
 from launcher.watch import RangeMirror
 from launcher.watchdog import StartupHistory
 from launcher.workers import WorkerGroup, WorkerOutcome
@@ -88,6 +97,8 @@ class RoundRun:
     acknowledged: bool = False  # the controller knows our workers started (retried until etcd takes it)
     pending_report: NodeFailure | bool | None = None  # a failure, True for success, None for nothing to say
     answered_rollcall: str | None = None
+    drain_asked: int = 0  # the drain our workers were asked for (0: none, or withdrawn)
+    drain_answered: int = 0  # the drain our answer is in etcd for
 
 
 class Agent:
@@ -214,6 +225,8 @@ class Agent:
             run.acknowledged = True
         if run.pending_report is not None:
             self._report(run)
+        if run.member is not None:
+            self._follow_drain(run, view.drains.get(run.record.round))
         rollcall = view.rollcalls.get(run.record.round)
         if rollcall is not None and run.member is not None and run.answered_rollcall != rollcall.nonce \
                 and not self._reporting_hang(run):  # fmt: skip
@@ -338,6 +351,31 @@ class Agent:
             self.store.report_done(run.record.round, run.revision, self.node_id)
         run.pending_report = None  # written, or the round moved on and the report no longer matters
 
+    def _follow_drain(self, run: RoundRun, request: DrainRequest | None) -> None:
+        """Pass the round's drain to our workers, withdraw it when it is gone, and answer once they drained."""
+        if request is None:
+            if run.drain_asked and run.workers is not None:
+                logger.info("round %d: the drain was withdrawn; workers train on", run.record.round)
+                run.workers.request_drain(0)
+            run.drain_asked = 0
+            return
+        if run.drain_answered == request.number:
+            return
+        answer = DrainReport(number=request.number, step=None)  # no workers running: nothing to drain
+        if run.workers is not None and run.phase is Phase.RUNNING:
+            if run.drain_asked != request.number:
+                logger.info("round %d: drain before %s: asking the workers to checkpoint at their next step",
+                            run.record.round, request.reason)  # fmt: skip
+                run.workers.request_drain(request.number)
+                run.drain_asked = request.number
+            answer = run.workers.drain_answer(request.number)
+            if answer is None:
+                return  # still saving
+        if self.store.report_drained(run.record.round, run.revision, self.node_id, answer):
+            run.drain_answered = request.number
+            if answer.step is not None:
+                logger.info("round %d: workers drained at step %d", run.record.round, answer.step)
+
     def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
         if self.run_ is not None and self.run_.workers is not None:
             self.run_.workers.stop(signum)
@@ -361,6 +399,7 @@ class Agent:
         logger.warning("received %s: stopping workers and leaving job %s", name, self.config.rdzv_id)
         try:
             self.store.announce_leaving(self.node_id, self.record.lease, reason)
+            self._drain_before_leaving()
         except Exception as exc:
             logger.warning("could not announce leaving (%s); stopping workers anyway", exc)
         self._stop_workers(signum)  # forwarded as-is, SIGKILL after the grace period
@@ -370,6 +409,28 @@ class Agent:
         except Exception as exc:
             logger.warning("could not leave the membership cleanly (%s); peers will notice when the lease expires", exc)
         return 128 + signum
+
+    def _drain_before_leaving(self) -> None:
+        """Our leave notice makes the controller ask for a drain: keep the workers until it committed (at most
+        --drain-timeout), so the next round redoes nothing of theirs."""
+        run = self.run_
+        if run is None or run.workers is None or run.phase is not Phase.RUNNING or not self.config.drain_timeout:
+            return
+        deadline = time.monotonic() + self.config.drain_timeout
+        while time.monotonic() < deadline:
+            entries, revision, seen = self.mirror.snapshot()
+            view = self._parser.parse(entries, revision)
+            header = view.round_header
+            if view.status is not None or header is None or header.round != run.record.round:
+                return  # the job or the round moved on
+            if run.workers.poll()[0] is not WorkerOutcome.RUNNING:
+                return
+            self._follow_drain(run, view.drains.get(run.record.round))
+            if run.drain_answered:
+                return
+            self.mirror.wait(seen, self.config.monitor_interval)
+        logger.warning("the workers did not drain within --drain-timeout %gs; leaving anyway (the next round redoes "
+                       "the steps since the last checkpoint)", self.config.drain_timeout)  # fmt: skip
 
     def _job_over(self, status: JobStatus) -> int:
         if self._controller is not None:

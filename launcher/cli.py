@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--watchdog-min", dest="watchdog_min", default="60", help="the least allowance under auto (default 60 s)")
     add("--watchdog-long-op", dest="watchdog_long_op", default="1800",
         help="allowance inside elastic.long_operation without its own timeout (default 1800 s)")  # fmt: skip
+    add("--drain-timeout", dest="drain_timeout", default="60",
+        help="before a node joins or an agent told to stop leaves, the workers checkpoint at their next step and "
+             "wait, so nothing is redone; the change waits at most this long for it (default 60 s; 0: no drain)")  # fmt: skip
     for flag in UNSUPPORTED_FLAGS:
         parser.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", dest=f"unsupported_{flag}",
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
@@ -157,7 +160,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         monitor_interval=args.monitor_interval, worker_stop_timeout=args.worker_stop_timeout, log_dir=args.log_dir,
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, local_addr=args.local_addr, role=args.role,
         signals_to_handle=signals, entrypoint=script, args=args.training_script_args, module=args.module,
-        no_python=args.no_python, watchdog_timeout=watchdog_timeout, **watchdog,
+        no_python=args.no_python, watchdog_timeout=watchdog_timeout, drain_timeout=args.drain_timeout, **watchdog,
     )  # fmt: skip
     if args.node_id:
         fields["node_id"] = args.node_id

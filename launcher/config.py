@@ -135,6 +135,8 @@ class LaunchConfig(BaseModel):
     watchdog_timeout: float | Literal["auto", "off"] = "auto"
     watchdog_min: float = Field(60.0, gt=0, description="the least allowance of --watchdog-timeout auto")
     watchdog_long_op: float = Field(1800.0, gt=0, description="default allowance inside elastic.long_operation")
+    drain_timeout: float = Field(60.0, ge=0, description="how long a planned change waits for the workers' drain "
+                                 "checkpoint (0: no drain)")  # fmt: skip
     log_dir: Path | None = None  # None: elastic-run makes a temp dir once the job can start
     redirects: Std | dict[int, Std] = Std.NONE
     tee: Std | dict[int, Std] = Std.NONE

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,9 +26,11 @@ from launcher.decisions import (
     ForgetLeft,
     MarkLost,
     ProbeMembers,
+    RequestDrain,
     RoundReason,
     Settings,
     Wait,
+    WithdrawDrain,
     decide,
     track,
 )
@@ -35,7 +38,7 @@ from launcher.job_view import JobView, ViewParser
 from launcher.liveness import probe
 from launcher.membership_log import LogMirror, new_event
 from launcher.protocol import Holder, JobStore
-from launcher.records import JobStatus, RoundRecord
+from launcher.records import DrainRequest, JobStatus, RoundRecord
 from launcher.watch import RangeMirror
 
 logger = logging.getLogger(__name__)
@@ -56,7 +59,7 @@ def settings_from(config: LaunchConfig) -> Settings:
         max_restarts=config.max_restarts, join_timeout=config.rdzv.join_timeout,
         last_call_timeout=config.rdzv.last_call_timeout, close_timeout=config.rdzv.close_timeout,
         quarantine_after=config.rdzv.quarantine_after, quarantine_cooldown=config.rdzv.quarantine_cooldown,
-        probe_timeout=config.rdzv.probe_timeout,
+        probe_timeout=config.rdzv.probe_timeout, drain_timeout=config.drain_timeout,
     )  # fmt: skip
 
 
@@ -142,6 +145,14 @@ class Controller:
                 logger.info("round %d: workers failed while members are silent; roll call", decision.round)
         elif isinstance(decision, ProbeMembers):
             self._probe(decision, view)
+        elif isinstance(decision, RequestDrain):
+            request = DrainRequest(round=decision.round, number=random.randrange(1, 2**63), reason=decision.reason)
+            if self.store.request_drain(self.holder, view.round_revision, request):
+                logger.info("round %d: %s; asking its workers to checkpoint at their next step and wait",
+                            decision.round, decision.reason)  # fmt: skip
+        elif isinstance(decision, WithdrawDrain):
+            self.store.withdraw_drain(self.holder, decision.round)
+            logger.info("round %d: the change it was drained for is off; withdrawing the drain", decision.round)
         elif isinstance(decision, ForgetLeft):
             self.store.forget_left(self.holder, decision.nodes)
         elif isinstance(decision, EndJob):
@@ -159,6 +170,14 @@ class Controller:
             ))  # fmt: skip
         events += [new_event("node_readmitted", round=decision.number, node=node, reason="quarantine over")
                    for node in decision.readmitted]  # fmt: skip
+        drain = decision.drain
+        if drain is not None and drain.committed and drain.step is not None:
+            events.append(new_event("drain_committed", round=view.round.round, step=drain.step))
+        elif drain is not None and not drain.committed:
+            events.append(new_event("drain_timed_out", round=view.round.round, step=drain.step,
+                                    message=f"not every member drained within --drain-timeout "
+                                            f"{self.settings.drain_timeout:g}s; steps since the last checkpoint "
+                                            "are redone"))  # fmt: skip
         if decision.reason is RoundReason.WORKER_FAILED:
             events.append(new_event(
                 "restart", round=decision.number, restart_count=decision.restart_count, reason=decision.reason.value,

@@ -10,8 +10,8 @@ through `launcher.protocol`. The rules, in the order they are tried:
 4. A member's incarnation is gone (lease ended, or the node id registered again as a newcomer): it is marked
    lost (unless it left), then a round forms without it if MIN nodes remain, else the job fails after
    `join_timeout`. A loss never counts against `--max-restarts`.
-5. A member announced it is leaving: wait until its registration is gone (it keeps its lease until its
-   workers exited); after `close_timeout` it is evicted.
+5. A member announced it is leaving: its round is drained (below), then wait until its registration is gone
+   (it keeps its lease until its workers drained and exited); after `close_timeout` it is evicted.
 6. Workers failed: every member that has not reported is asked to answer a roll call, and its agent is probed
    (`probe_timeout`, launcher.liveness). Once all have answered, the failure is a worker failure: a new round
    with one more restart, or the end of the job past `--max-restarts`. A member whose agent refuses or does not
@@ -19,7 +19,13 @@ through `launcher.protocol`. The rules, in the order they are tried:
    (rule 4) or, after `close_timeout`, it is evicted; either way, a loss.
 7. Every member reported success: the job finished.
 8. Members that did not start the round within `close_timeout` are evicted; nodes waiting outside a round
-   that has room form a scale-up round once MAX are present or `last_call_timeout` passed.
+   that has room form a scale-up round once MAX are present or `last_call_timeout` passed, and the round
+   is drained (below).
+
+Drains (`drain_timeout` > 0): before a planned change (rules 5 and 8) the controller asks the round's workers to
+checkpoint at their next step boundary and wait there; the change goes ahead once every member answered (its
+workers committed, or it has none that drain) or `drain_timeout` passed, so the next round redoes no step. A
+drain whose change is off (the joiner went away) is withdrawn, and the workers train on.
 
 Quarantine: a round's worker failure is charged to the nodes that caused it (`charged_nodes`): the ends of the
 broken network paths its failures show, else the node of the earliest failure that was not a peer's
@@ -62,6 +68,7 @@ class Settings:
     quarantine_after: int = 0  # 0: never
     quarantine_cooldown: float = 0.0
     probe_timeout: float = 0.0  # 0: silent members are not probed (launcher.liveness)
+    drain_timeout: float = 0.0  # 0: planned changes go ahead without a drain
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class Clock:
     rollcall_since: float | None = None
     leaving_since: float | None = None
     probed: frozenset[str] = frozenset()  # members of this round the controller probed (it adds them)
+    drain_since: float | None = None  # this round's drain was requested
 
 
 # -- decisions -------------------------------------------------------------------------------------------------
@@ -98,6 +106,13 @@ class FormRound:
     quarantined: dict[str, float] = field(default_factory=dict)  # node -> unix time its quarantine ends
     newly_quarantined: list[str] = field(default_factory=list)
     readmitted: list[str] = field(default_factory=list)
+    drain: "DrainOutcome | None" = None  # how the drain before this planned change went, if one was asked for
+
+
+@dataclass(frozen=True)
+class DrainOutcome:
+    committed: bool  # every member answered; False: drain_timeout passed first
+    step: int | None  # the step its workers checkpointed (None: no worker drains)
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,21 @@ class MarkLost:
 
 @dataclass(frozen=True)
 class CallRollCall:
+    round: int
+
+
+@dataclass(frozen=True)
+class RequestDrain:
+    """Ask the round's workers to checkpoint at their next step boundary and wait there (launcher.drain)."""
+
+    round: int
+    reason: str  # scale_up or node_left
+
+
+@dataclass(frozen=True)
+class WithdrawDrain:
+    """The change a drain was asked for is off (the joiner went away): the drained workers train on."""
+
     round: int
 
 
@@ -130,7 +160,8 @@ class EndJob:
     cause: WorkerFailure | None = None
 
 
-Decision = Wait | FormRound | MarkLost | CallRollCall | ProbeMembers | ForgetLeft | EndJob
+Decision = (Wait | FormRound | MarkLost | CallRollCall | ProbeMembers | RequestDrain | WithdrawDrain | ForgetLeft
+            | EndJob)
 
 
 # -- pure helpers ----------------------------------------------------------------------------------------------
@@ -265,6 +296,7 @@ def track(view: JobView, clock: Clock, now: float, settings: Settings) -> Clock:
         joiner_since=_since(clock.joiner_since, has_room and bool(_waiting(view, eligible)), now),
         rollcall_since=_since(clock.rollcall_since, rollcall, now),
         leaving_since=_since(clock.leaving_since, bool(leaving), now),
+        drain_since=_since(clock.drain_since, view.round is not None and view.round.round in view.drains, now),
     )
 
 
@@ -336,6 +368,8 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
 
     leaving = [m for m in members if _leaving(view, m.node, m.incarnation)]
     if leaving:
+        if settings.drain_timeout and round_.round not in view.drains:
+            return RequestDrain(round_.round, RoundReason.NODE_LEFT.value)  # the leaving agent waits for it
         return _evict_after_close_timeout(leaving, clock.leaving_since, now, settings, "did not finish leaving",
                                           f"{', '.join(m.node for m in leaving)} leaving")  # fmt: skip
 
@@ -375,15 +409,39 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
         deadlines.append(decision.until)
 
     waiting = _waiting(view, eligible)
+    if round_.round in view.drains and not (waiting and len(members) < settings.max_nodes):
+        return WithdrawDrain(round_.round)
     if waiting and len(members) < settings.max_nodes:
         deadline = clock.joiner_since + settings.last_call_timeout
         if len(members) + len(waiting) >= settings.max_nodes or now >= deadline:
-            return _form(view, eligible, RoundReason.SCALE_UP, round_.restart_count, settings, wall)
+            if settings.drain_timeout and round_.round not in view.drains:
+                return RequestDrain(round_.round, RoundReason.SCALE_UP.value)
+            drain_deadline = (clock.drain_since or now) + settings.drain_timeout
+            if not settings.drain_timeout or _drained(view) or now >= drain_deadline:
+                return _form(view, eligible, RoundReason.SCALE_UP, round_.restart_count, settings, wall)
+            deadline = drain_deadline
         deadlines.append(deadline)
     registered_out = [until for n, until in _quarantined(view, wall).items() if n in view.nodes]
     if registered_out:
         deadlines.append(min(registered_out) - clock.wall_offset)  # readmitted then, as a waiting node
     return Wait(min(deadlines) if deadlines else None, "round running")
+
+
+def _drained(view: JobView) -> bool:
+    """Every member of the current round answered its drain."""
+    request = view.drains.get(view.round.round)
+    answers = view.current().drained
+    return request is not None and all(
+        m.node in answers and answers[m.node].number == request.number for m in view.round.members
+    )
+
+
+def _drain_outcome(view: JobView) -> DrainOutcome | None:
+    """How the current round's drain went, when the next round forms; None when none was asked for."""
+    if view.round is None or view.round.round not in view.drains:
+        return None
+    steps = [r.step for r in view.current().drained.values() if r.step is not None]
+    return DrainOutcome(committed=_drained(view), step=max(steps, default=None))
 
 
 def _evict_after_close_timeout(members: list[Member], since: float, now: float, settings: Settings, failed_to: str,
@@ -418,4 +476,4 @@ def _form(view: JobView, eligible: dict[str, NodeRecord], reason: RoundReason, r
     readmitted = sorted(set(previous.quarantined) - set(quarantined)) if previous is not None else []
     members = assign_ranks(previous, eligible, settings.max_nodes)
     return FormRound(number, members, reason, restart_count, list(handled_left), strikes, quarantined, newly,
-                     readmitted)  # fmt: skip
+                     readmitted, _drain_outcome(view))  # fmt: skip

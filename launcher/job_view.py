@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from launcher.records import (
+    DrainReport,
+    DrainRequest,
     JobStatus,
     LeaveRecord,
     MasterRecord,
@@ -32,6 +34,7 @@ class RoundReports:
     failed: dict[str, NodeFailure] = field(default_factory=dict)
     alive: dict[str, str] = field(default_factory=dict)  # node -> the roll-call nonce it answered
     lost: dict[str, str] = field(default_factory=dict)  # node -> why
+    drained: dict[str, DrainReport] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,6 +51,7 @@ class JobView:
     status: JobStatus | None = None
     masters: dict[int, MasterRecord] = field(default_factory=dict)
     rollcalls: dict[int, RollCall] = field(default_factory=dict)
+    drains: dict[int, DrainRequest] = field(default_factory=dict)
     left: dict[str, LeaveRecord] = field(default_factory=dict)
     reports: dict[int, RoundReports] = field(default_factory=dict)
 
@@ -56,7 +60,7 @@ class JobView:
         return self.reports.get(self.round.round, RoundReports()) if self.round else RoundReports()
 
 
-_ROUND_REPORT_KINDS = {"ack", "done", "failed", "alive", "lost"}
+_ROUND_REPORT_KINDS = {"ack", "done", "failed", "alive", "lost", "drained"}
 # (full key, mod revision) of every malformed value warned about: once per process, however many parsers see it
 _warned: set[tuple[str, int]] = set()
 
@@ -125,6 +129,8 @@ class ViewParser:
             view.masters[int(key.rsplit("/", 1)[1])] = MasterRecord.loads(raw)
         elif key.startswith("ctl/rollcall/"):
             view.rollcalls[int(key.rsplit("/", 1)[1])] = RollCall.loads(raw)
+        elif key.startswith("ctl/drain/"):
+            view.drains[int(key.rsplit("/", 1)[1])] = DrainRequest.loads(raw)
         elif head == "nodes" and rest:
             record = self._load(key, entry, NodeRecord)
             if record.node != rest:
@@ -145,6 +151,8 @@ class ViewParser:
                 reports.done.add(node)
             elif kind == "alive":
                 reports.alive[node] = raw.decode()
+            elif kind == "drained":
+                reports.drained[node] = DrainReport.loads(raw)
             else:
                 reports.lost[node] = raw.decode()
         else:

@@ -26,6 +26,9 @@ EventName = Literal[
     "job_failed",
     "node_quarantined",
     "node_readmitted",
+    "drain_requested",
+    "drain_committed",
+    "drain_timed_out",
 ]
 TERMINAL_EVENTS = {"job_finished", "job_failed"}
 logger = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ class MembershipEvent(BaseModel):
     message: str | None = None
     seconds_silent: float | None = None  # worker_hung: how long it had been silent when the watchdog acted
     last_step: int | None = None  # worker_hung: the last step it reported
+    step: int | None = None  # drain_committed: the step the workers checkpointed before the change
     revision: int | None = None  # etcd create revision: the order of the log, filled in when read back
 
     def dumps(self) -> str:
@@ -142,7 +146,7 @@ def _details(event: MembershipEvent) -> str:
     if event.members:
         ranks = " ".join(f"{m['node']}[{m['first_rank']}-{m['last_rank']}]" for m in event.members)
         parts.append(f"members={ranks}")
-    for name in ("local_rank", "rank", "exit_code", "restart_count", "seconds_silent", "last_step"):
+    for name in ("local_rank", "rank", "exit_code", "restart_count", "seconds_silent", "last_step", "step"):
         value = getattr(event, name)
         if value is not None:
             parts.append(f"{name}={value:.1f}" if isinstance(value, float) else f"{name}={value}")

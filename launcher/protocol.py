@@ -11,11 +11,13 @@ Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the mem
 | state/members/<round>/<bucket>    | MemberBucket   | controller  | with the round's header (same txn)   | as the header                           | controller, when the next round forms     |
 | state/ctl/master/<round>          | MasterRecord   | group rank 0| before starting its workers          | round rev unchanged                     | controller, when the next round forms     |
 | state/ctl/rollcall/<round>        | RollCall       | controller  | workers failed while a member is silent | holds controller; round rev unchanged | controller, when the next round forms     |
+| state/ctl/drain/<round>           | DrainRequest   | controller  | before a scale-up or a node leaving  | holds controller; round rev unchanged   | controller: next round, or change off     |
 | state/ctl/status                  | JobStatus      | controller  | finish, fail                         | holds controller; round rev unchanged; no status | purge                             |
 | state/rounds/<round>/ack/<node>   | agent pid      | agent       | its workers started                  | round rev unchanged                     | controller, when the next round forms     |
 | state/rounds/<round>/done/<node>  | "0"            | agent       | its workers all exited 0             | round rev unchanged                     | controller, when the next round forms     |
 | state/rounds/<round>/failed/<node>| NodeFailure    | agent       | a worker exited non-zero or hung     | round rev unchanged                     | controller, when the next round forms     |
 | state/rounds/<round>/alive/<node> | roll-call nonce| agent       | it saw the round's roll call         | round rev unchanged                     | controller, when the next round forms     |
+| state/rounds/<round>/drained/<node>| DrainReport   | agent       | its workers committed the drain's checkpoint | round rev unchanged             | controller, when the next round forms     |
 | state/rounds/<round>/lost/<node>  | reason         | controller  | a member's lease ended, or it was evicted | holds controller; marker absent    | controller, when the next round forms     |
 | events/<time_ns>-<author>-<seq>   | MembershipEvent| both        | in the same transaction as the change | that change's guard                    | controller keeps the newest `max_events`; purge |
 
@@ -35,6 +37,8 @@ from dataclasses import dataclass
 from launcher import etcd_client
 from launcher.membership_log import MembershipEvent, new_event
 from launcher.records import (
+    DrainReport,
+    DrainRequest,
     JobStatus,
     LeaveRecord,
     MasterRecord,
@@ -74,6 +78,7 @@ class JobKeys:
         self.status = self.ctl + "status"
         self.masters = self.ctl + "master/"
         self.rollcalls = self.ctl + "rollcall/"
+        self.drains = self.ctl + "drain/"
         self.rounds = self.state + "rounds/"
         self.members = self.state + "members/"
 
@@ -88,6 +93,9 @@ class JobKeys:
 
     def rollcall(self, round_: int) -> str:
         return f"{self.rollcalls}{round_:010d}"
+
+    def drain(self, round_: int) -> str:
+        return f"{self.drains}{round_:010d}"
 
     def members_prefix(self, round_: int) -> str:
         return f"{self.members}{round_:010d}/"
@@ -269,6 +277,10 @@ class JobStore:
         key = self.keys.report(round_, "alive", node)
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, nonce)], key)
 
+    def report_drained(self, round_: int, round_revision: int, node: str, report: DrainReport) -> bool:
+        key = self.keys.report(round_, "drained", node)
+        return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, report.dumps())], key)
+
     # -- the controller ------------------------------------------------------------------------------------
     def form_round(self, holder: Holder, round_revision: int, record: RoundRecord, events: list[MembershipEvent],
                    handled_left: list[str]) -> bool:  # fmt: skip
@@ -284,6 +296,7 @@ class JobStore:
             self._tx.delete(self.keys.rounds, range_end=self.keys.round_prefix(number)),
             self._tx.delete(self.keys.masters, range_end=self.keys.master(number)),
             self._tx.delete(self.keys.rollcalls, range_end=self.keys.rollcall(number)),
+            self._tx.delete(self.keys.drains, range_end=self.keys.drain(number)),
             *(self._tx.delete(self.keys.left(node)) for node in handled_left),
             *(put for _, put in puts),
         ]
@@ -296,6 +309,18 @@ class JobStore:
         call = RollCall(round=round_, nonce=uuid.uuid4().hex[:12])
         compare = [self._holds_controller(holder), self._round_unchanged(round_revision)]
         return self._commit(compare, [self._tx.put(key, call.dumps())], key)
+
+    def request_drain(self, holder: Holder, round_revision: int, request: DrainRequest) -> bool:
+        """Ask the round's workers to checkpoint and wait (a drain_requested event with it)."""
+        key = self.keys.drain(request.round)
+        _, event_put = self._event(new_event("drain_requested", round=request.round, reason=request.reason),
+                                   holder.node)  # fmt: skip
+        compare = [self._holds_controller(holder), self._round_unchanged(round_revision)]
+        return self._commit(compare, [self._tx.put(key, request.dumps()), event_put], key)
+
+    def withdraw_drain(self, holder: Holder, round_: int) -> None:
+        etcd_client.call_with_retry(self.client.transaction, compare=[self._holds_controller(holder)],
+                                    success=[self._tx.delete(self.keys.drain(round_))], failure=[])  # fmt: skip
 
     def mark_lost(self, holder: Holder, round_: int, node: str, reason: str) -> bool:
         """Record `node` as lost in `round_`, once: its marker and its node_lost event in one transaction."""

@@ -247,6 +247,23 @@ class RollCall(Record):
     nonce: str
 
 
+class DrainRequest(Record):
+    """The controller's request, before a planned change, that a round's workers checkpoint at their next step
+    boundary and wait there (launcher.drain)."""
+
+    round: int
+    number: int = Field(gt=0, lt=2**63)  # what the agents write into the workers' channels
+    reason: Literal["scale_up", "node_left"]
+
+
+class DrainReport(Record):
+    """An agent's answer to a drain: its workers committed the checkpoint of `step`, or (None) it has no worker
+    that drains (no CheckpointManager), so there is nothing to wait for."""
+
+    number: int
+    step: int | None
+
+
 class JobStatus(Record):
     state: Literal["finished", "failed"]
     time: float = Field(default_factory=time.time)

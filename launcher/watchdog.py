@@ -300,12 +300,9 @@ class Watchdog:
         self.clock = clock
         self.started_at = clock()
         self.workers = [_Worker(path) for path in paths]
-        for worker in self.workers:
-            if policy is None:
-                worker.path.unlink(missing_ok=True)  # a stale channel of an earlier run would be written in vain
-            else:
-                worker.path.parent.mkdir(parents=True, exist_ok=True)
-                channel.create_channel(worker.path)
+        for worker in self.workers:  # with the watchdog off too: the channel also carries drains
+            worker.path.parent.mkdir(parents=True, exist_ok=True)
+            channel.create_channel(worker.path)
 
     def acting(self) -> bool:
         """A hung worker is being dumped or killed: its failure is about to be reported."""
@@ -345,6 +342,18 @@ class Watchdog:
             if worker.group_kill_at is not None and now >= worker.group_kill_at:
                 worker.group_kill_at = None
                 signal_group(process, signal.SIGKILL)
+
+    def request_drain(self, number: int) -> None:
+        """Ask every worker for drain `number` (0 withdraws it) through its channel."""
+        for worker in self.workers:
+            try:
+                channel.request_drain(worker.path, number)
+            except OSError as exc:
+                logger.warning("could not ask worker %s for a drain: %s", worker.path.parent.name, exc)
+
+    def drain_states(self) -> list[channel.DrainState | None]:
+        """What each worker said of drains (None: its channel cannot be read)."""
+        return [channel.read_drain(w.view) if self._open(w) else None for w in self.workers]
 
     def _note_start(self, worker: _Worker, now: float) -> None:
         """Record the worker's start-up (spawn to first heartbeat) once its channel shows a heartbeat."""

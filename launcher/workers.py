@@ -18,7 +18,7 @@ from elastic.watchdog import HEARTBEAT_ENV
 from launcher.config import LaunchConfig, Std
 from launcher.network import gloo_interface_env
 from launcher.process_tree import stop_group, supervised_command
-from launcher.records import MasterRecord, Member, RoundHeader, WorkerFailure
+from launcher.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
 from launcher import failure_evidence
 from launcher.watchdog import HEARTBEAT_FILE, Policy, StartupHistory, Watchdog, read_dump
 
@@ -51,10 +51,9 @@ def worker_env(config: LaunchConfig, round_: RoundHeader, member: Member, master
         TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
         ELASTIC_ROUND=str(round_.round),
     )
-    env.pop(HEARTBEAT_ENV, None)  # never a channel of an outer elastic-run
-    if Policy.from_config(config) is not None:
-        # elastic.heartbeat's channel to the watchdog: a file next to the error file, created by WorkerGroup
-        env[HEARTBEAT_ENV] = str(error_file.parent / HEARTBEAT_FILE)
+    # the worker's channel to its agent (heartbeats for the watchdog, drains): a file next to the error file,
+    # created by WorkerGroup; never the channel of an outer elastic-run
+    env[HEARTBEAT_ENV] = str(error_file.parent / HEARTBEAT_FILE)
     if member.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     # gloo would otherwise bind where the hostname resolves, often 127.0.x.1, which peers on other hosts cannot reach
@@ -168,6 +167,21 @@ class WorkerGroup:
         if len(self._exited_at) == len(self.processes):
             return WorkerOutcome.SUCCEEDED, []
         return WorkerOutcome.RUNNING, []
+
+    def request_drain(self, number: int) -> None:
+        """Ask the workers to checkpoint at their next step and wait there (0: withdraw the request)."""
+        self.watchdog.request_drain(number)
+
+    def drain_answer(self, number: int) -> DrainReport | None:
+        """This node's answer to drain `number`: the step its workers committed, step None when none of them
+        drains (no CheckpointManager), or None while they are still at it."""
+        states = self.watchdog.drain_states()
+        draining = [state for state in states if state is not None and state.drainable]
+        if not draining:
+            return DrainReport(number=number, step=None)
+        if any(state.done != number for state in draining):
+            return None
+        return DrainReport(number=number, step=max((s.step for s in draining if s.step is not None), default=None))
 
     def reporting_hang(self) -> bool:
         """A worker found hung is being dumped and killed; its failure follows within seconds."""

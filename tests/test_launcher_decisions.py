@@ -14,9 +14,11 @@ from launcher.decisions import (
     FormRound,
     MarkLost,
     ProbeMembers,
+    RequestDrain,
     RoundReason,
     Settings,
     Wait,
+    WithdrawDrain,
     assign_ranks,
     charged_nodes,
     decide,
@@ -24,6 +26,8 @@ from launcher.decisions import (
 )
 from launcher.job_view import JobView, RoundReports
 from launcher.records import (
+    DrainReport,
+    DrainRequest,
     JobStatus,
     LeaveRecord,
     Member,
@@ -126,6 +130,39 @@ def test_scale_up_after_last_call_or_at_once_when_max_is_reached():
     assert type(at(view("a", "b", "c", **running), T0, T0)) is FormRound, "MAX reached: no last call"
     two_node_max = dataclasses.replace(SETTINGS, max_nodes=2)
     assert isinstance(at(view("a", "b", "c", **running), T0, T0 + 100, two_node_max), Wait), "full: c is a spare"
+
+
+# -- drains before planned changes -------------------------------------------------------------------------------
+DRAINING = dataclasses.replace(SETTINGS, drain_timeout=60)
+
+
+def test_a_scale_up_drains_first_and_forms_once_every_member_answered():
+    job = view("a", "b", "c", round_of=("a", "b"), acked={"a", "b"})
+    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "scale_up"), "MAX present: drain, then grow"
+    job.drains[0] = DrainRequest(round=0, number=7, reason="scale_up")
+    job.reports[0].drained = {"a": DrainReport(number=7, step=41)}
+    assert at(job, T0, T0 + 59, DRAINING) == Wait(T0 + 60, "round running"), "b still saving"
+    job.reports[0].drained["b"] = DrainReport(number=7, step=41)
+    grown = at(job, T0, T0 + 1, DRAINING)
+    assert (type(grown), grown.reason, grown.drain.committed, grown.drain.step) == (FormRound, "scale_up", True, 41)
+
+
+def test_a_drain_that_does_not_commit_within_drain_timeout_lets_the_change_go_ahead():
+    job = view("a", "b", "c", round_of=("a", "b"), acked={"a", "b"})
+    job.drains[0] = DrainRequest(round=0, number=7, reason="scale_up")
+    job.reports[0].drained = {"a": DrainReport(number=7, step=None), "b": DrainReport(number=3, step=9)}  # old answer
+    grown = at(job, T0, T0 + 60, DRAINING)
+    assert (type(grown), grown.drain.committed, grown.drain.step) == (FormRound, False, 9)
+
+
+def test_a_leaving_member_drains_the_round_and_a_drain_whose_change_is_off_is_withdrawn():
+    job = view("a", "b", round_of=("a", "b"), acked={"a", "b"})
+    job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
+    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "node_left")
+    assert isinstance(at(job, T0, T0), Wait), "drain_timeout=0: no drain"
+    job.left.clear()  # the notice is gone but b still runs: nothing planned any more
+    job.drains[0] = DrainRequest(round=0, number=7, reason="node_left")
+    assert at(job, T0, T0, DRAINING) == WithdrawDrain(0)
 
 
 def test_members_that_never_start_the_round_are_evicted_after_close_timeout():

@@ -274,7 +274,7 @@ def test_only_the_owner_writes_a_forked_child_and_a_second_opener_stay_silent(fr
 @pytest.mark.timeout(10)
 def test_no_channel_means_every_call_is_a_no_op(tmp_path, monkeypatch):
     assert channel.open_channel(None) is channel._DISABLED
-    assert channel.open_channel(str(tmp_path / "missing")) is channel._DISABLED  # --watchdog-timeout off
+    assert channel.open_channel(str(tmp_path / "missing")) is channel._DISABLED  # not an elastic-run worker
     foreign = tmp_path / "foreign"
     foreign.write_bytes(b"\0" * channel.SIZE)  # not our layout
     assert channel.open_channel(str(foreign)) is channel._DISABLED
@@ -320,15 +320,15 @@ def one_member_round(member: Member):
 
 
 @pytest.mark.timeout(10)
-def test_workers_get_the_channel_only_while_watched(tmp_path):
+def test_workers_get_their_channel_even_with_the_watchdog_off(tmp_path):
     member = Member("n", 1, 0, 1, 0, "127.0.0.1")
     args = (one_member_round(member), member, MasterRecord(addr="127.0.0.1", port=1))
     on = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, rdzv_endpoint="127.0.0.1:2379", rdzv_id="t",
                       entrypoint=str(PATTERN), log_dir=tmp_path)  # fmt: skip
     env = worker_env(on, *args, local_rank=0, error_file=tmp_path / "0" / "error.json")
     assert env[channel.HEARTBEAT_ENV] == str(tmp_path / "0" / "heartbeat")
-    off = on.model_copy(update={"watchdog_timeout": "off"})
-    assert channel.HEARTBEAT_ENV not in worker_env(off, *args, local_rank=0, error_file=tmp_path / "e.json")
+    off = on.model_copy(update={"watchdog_timeout": "off"})  # the channel still carries drains
+    assert worker_env(off, *args, local_rank=0, error_file=tmp_path / "e.json")[channel.HEARTBEAT_ENV]
 
 
 @pytest.mark.timeout(30)

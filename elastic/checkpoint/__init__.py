@@ -6,10 +6,11 @@ attempt and published by rank 0, once every rank's data and DCP's metadata are d
 never commits (fence.py). Tensor state is plain DCP, so any world size can load it and ``dcp.load``
 reads it directly::
 
-    mgr = CheckpointManager(directory, keep=3, async_save=True)
+    mgr = CheckpointManager(directory, keep=3, async_save=True, every=50)
     state = {"model": ModelState(model, optimizer), "train": my_stateful}
     step = mgr.load_latest(state)   # None when nothing is committed yet
-    mgr.save(step, state)           # returns once staged; the write commits in the background
+    if mgr.should_save(step):       # every 50 steps, or a drain elastic-run asks for (drain.py); every rank asks
+        mgr.save(step, state)       # returns once staged; the write commits in the background
     mgr.wait()                      # raises if the save in flight failed
     mgr.close()
 """

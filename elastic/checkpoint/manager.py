@@ -26,6 +26,7 @@ from elastic.checkpoint.attempt import (
     round_from_env,
     run_id_from_env,
 )
+from elastic.checkpoint.drain import Drains
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.fence import Fence, claim
 from elastic.checkpoint.global_values import PerRankStateError, reject_per_rank_values
@@ -48,6 +49,7 @@ class CheckpointConfig(BaseModel):
     keep: int = Field(3, ge=1, description="committed checkpoints to keep; the newest is never deleted")
     async_save: bool = Field(True, description="write in the background; training waits only for staging")
     check_at_start: bool = Field(True, description="save step 0 when there is nothing to load, to fail fast")
+    every: int = Field(0, ge=0, description="should_save's schedule: every this many steps (0: drains only)")
 
 
 @dataclass
@@ -68,9 +70,10 @@ class CheckpointManager:
         async_save: bool = True,
         process_group: dist.ProcessGroup | None = None,
         check_at_start: bool = True,
+        every: int = 0,
     ) -> None:
         self.config = CheckpointConfig(
-            directory=Path(directory), keep=keep, async_save=async_save, check_at_start=check_at_start
+            directory=Path(directory), keep=keep, async_save=async_save, check_at_start=check_at_start, every=every
         )
         # Which round saves (recorded in every commit), and the directory's epoch this manager claims
         # at its first save; a newer manager's claim fences this one's commits out (fence.py).
@@ -80,6 +83,9 @@ class CheckpointManager:
         self._fence: Fence | None = None
         self._owns_group = process_group is None
         self._ranks = Ranks.dedicated(process_group)
+        # drains agree every step on a group of their own: the checkpoint group may be busy in a background save
+        self._drains = Drains(Ranks.dedicated(None).group)
+        self._drain = 0  # the drain the next save answers
         # One stager for the manager's life: it reuses its CPU copies, so staging after the first save is a memcpy.
         self._stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
         self._in_flight: _SaveInFlight | None = None
@@ -113,16 +119,28 @@ class CheckpointManager:
         self._verified.add(entry.key)
         return entry.step
 
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``: on the ``every`` schedule, or when elastic-run asks for a drain before a
+        planned change (drain.py). A collective: call it on every rank at every step, as in
+        ``if mgr.should_save(step): mgr.save(step, state)``."""
+        self._ensure_open()
+        self._drain = self._drains.requested()
+        return bool(self._drain) or bool(self.config.every and step % self.config.every == 0)
+
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Save ``state`` as ``step``; returns once it is staged (async) or committed (sync).
 
         Waits first for the save in flight, and raises its failure if it failed. A manager's first
         save claims the directory (fence.py): from then on, a save of a manager that claimed it
-        earlier (a worker of an older round) is refused at its commit and never loaded.
+        earlier (a worker of an older round) is refused at its commit and never loaded. A save that
+        answers a drain commits before it returns, and returns only once the drain is withdrawn.
         """
         self._ensure_open()
         self.wait()
-        self._save(step, state, self.config.async_save)
+        drain, self._drain = self._drain, 0
+        self._save(step, state, self.config.async_save and not drain)
+        if drain:
+            self._drains.committed(drain, step)
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise on every rank if it failed anywhere."""
@@ -152,6 +170,8 @@ class CheckpointManager:
                 self._stager.close()
             if self._owns_group and self._ranks.group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._ranks.group)
+            if self._drains.group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._drains.group)
 
     @property
     def _single(self) -> bool:

@@ -1,0 +1,56 @@
+"""Drains: the checkpoint elastic-run asks for before a planned change, so the next round redoes no step.
+
+Before a node joins (scale-up) or an agent that was told to stop leaves, the agents write a drain number into
+each worker's channel (`elastic.watchdog`). The ranks must save at the same step, and each sees the request
+at its own moment, so `Drains.requested` is a collective: every rank calls it at every step boundary (it is
+what `CheckpointManager.should_save` does) and they agree on the largest number any of them saw, over a gloo
+group of their own (one tiny all_reduce per step). Once that save committed, each rank reports the number
+back and waits at the step boundary, inside an unlimited long operation, until the agent withdraws the request
+(the change did not happen) or stops it for the next round, which loads that checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from elastic.watchdog import drain_channel, long_operation
+
+logger = logging.getLogger(__name__)
+
+_WITHDRAWN_POLL_S = 0.05
+
+
+class Drains:
+    """One rank's side of drains; `group` is a process group of its own (None: this process alone)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self._channel = drain_channel()
+        self._channel.set_drainable()
+        self._done = 0
+
+    def requested(self) -> int:
+        """The drain every rank agrees to save for now (0: none). A collective: every rank calls it."""
+        seen = self._channel.drain_requested()
+        seen = 0 if seen == self._done else seen
+        if self.group is None:
+            return seen
+        agreed = torch.tensor([seen], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        return int(agreed.item())
+
+    def committed(self, number: int, step: int) -> None:
+        """Drain `number` is saved and committed at `step`: report it, then wait at the step boundary."""
+        self._done = number
+        self._channel.report_drained(number, step)
+        logger.info("drained at step %d: waiting for the next round", step)
+        waited = time.monotonic()
+        with long_operation("drained: waiting for the next round", timeout=math.inf):
+            while self._channel.drain_requested() == number:
+                time.sleep(_WITHDRAWN_POLL_S)
+        logger.info("drain withdrawn after %.1fs: training on", time.monotonic() - waited)

@@ -1,0 +1,80 @@
+"""Drains before planned changes, end to end: examples/train.py under elastic-run grows from 2 to 3 nodes, or loses
+one to SIGTERM, and no step is trained twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from launcher_harness import REPO
+from test_elastic_training import TINY
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def steps_by_round(samples) -> dict[int, set[int]]:
+    rounds: dict[int, set[int]] = {}
+    for record in (json.loads(line) for line in samples.read_text().splitlines()):
+        rounds.setdefault(record["round"], set()).add(record["step"])
+    return rounds
+
+
+def train_args(tmp_path, steps: int) -> list[str]:
+    # --ckpt-every beyond the run: the only checkpoints are step 0, the drain's and the last
+    return ["--steps", str(steps), "--global-batch", "6", "--micro-batch", "1", "--ckpt-dir", str(tmp_path / "ckpt"),
+            "--ckpt-every", "1000", "--sample-log", str(tmp_path / "samples.jsonl"), *TINY]  # fmt: skip
+
+
+def assert_nothing_redone(tmp_path, steps: int, cluster) -> dict[int, set[int]]:
+    rounds = steps_by_round(tmp_path / "samples.jsonl")
+    assert len(rounds) >= 2, rounds
+    every = sorted(step for steps_of_round in rounds.values() for step in steps_of_round)
+    assert every == list(range(1, steps + 1)), f"a step trained twice, or skipped: {every}\n{cluster.dump()}"
+    return rounds
+
+
+def test_a_scale_up_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
+    steps = 60
+    args = train_args(tmp_path, steps)
+    script = REPO / "examples" / "train.py"
+    agents = [cluster.start(n, args, nnodes="2:3", nproc=1, script=script) for n in "ab"]
+    samples = tmp_path / "samples.jsonl"
+    cluster.wait_for(lambda: samples.is_file() and '"step": 5,' in samples.read_text(), 120, "step 5 at 2 ranks")
+    agents.append(cluster.start("c", args, nnodes="2:3", nproc=1, script=script))
+    for agent in agents:
+        assert agent.wait(timeout=180) == 0, cluster.dump()
+
+    rounds = assert_nothing_redone(tmp_path, steps, cluster)
+    drained = cluster.events("drain_committed")
+    assert [e["reason"] for e in cluster.events("drain_requested")] == ["scale_up"]
+    assert len(drained) == 1 and drained[0]["step"] == max(rounds[0]), "round 1 went on from the drain's step"
+    grown = cluster.events("round_started")[-1]
+    assert (grown["reason"], grown["world_size"]) == ("scale_up", 3)
+    print(f"\nscale-up 2 -> 3 with a drain: round 0 trained steps 1-{max(rounds[0])}, drained at step "
+          f"{drained[0]['step']}; round 1 went on from step {min(rounds[1])}; nothing redone")  # fmt: skip
+
+
+def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
+    steps = 50
+    args = train_args(tmp_path, steps)
+    script = REPO / "examples" / "train.py"
+    agents = [cluster.start(n, args, nnodes="2:3", nproc=1, script=script) for n in "abc"]
+    samples = tmp_path / "samples.jsonl"
+    cluster.wait_for(lambda: samples.is_file() and '"step": 5,' in samples.read_text(), 120, "step 5 at 3 ranks")
+    os.kill(agents[2].pid, signal.SIGTERM)  # a preemption notice
+    assert agents[2].wait(timeout=90) == 128 + signal.SIGTERM, cluster.dump()
+    for agent in agents[:2]:
+        assert agent.wait(timeout=180) == 0, cluster.dump()
+
+    rounds = assert_nothing_redone(tmp_path, steps, cluster)
+    assert [e["reason"] for e in cluster.events("drain_requested")] == ["node_left"]
+    drained = cluster.events("drain_committed")
+    assert len(drained) == 1 and drained[0]["step"] == max(rounds[0])
+    assert [e["node"] for e in cluster.events("node_left")] == ["c"] and not cluster.events("node_lost")
+    last = cluster.events("round_started")[-1]
+    assert (last["reason"], last["world_size"]) == ("node_left", 2)
+    print(f"\nSIGTERM to one of 3 with a drain: round 0 trained steps 1-{max(rounds[0])}, drained at step "
+          f"{drained[0]['step']}; round 1 went on from step {min(rounds[1])}; nothing redone")  # fmt: skip
