@@ -261,7 +261,7 @@ class DrainReport(Record):
     that drains (no CheckpointManager), so there is nothing to wait for."""
 
     number: int
-    step: int | None
+    step: int | None = None
 
 
 class JobStatus(Record):

@@ -10,7 +10,7 @@ from launcher import etcd_client, membership_log
 from launcher.config import RendezvousSettings, Std, parse_nnodes, parse_rdzv_conf, parse_std_spec
 from launcher.decisions import assign_ranks, failure_summary, root_cause
 from launcher.protocol import JobKeys
-from launcher.records import NodeRecord, RoundRecord, WorkerFailure
+from launcher.records import DrainReport, NodeRecord, RoundRecord, WorkerFailure
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,6 +84,11 @@ def test_round_records_stay_small_for_thousands_of_nodes():
     assert len(record.dumps()) < 100 * 4096  # bytes per member, so every agent can afford to receive it
     member = record.member("host04095_123456")
     assert (member.group_rank, member.first_rank, record.world_size) == (4095, 4095 * 8, 4096 * 8)
+
+
+@pytest.mark.parametrize("report", [DrainReport(number=7, step=41), DrainReport(number=7, step=None)])
+def test_drain_answers_survive_the_round_trip_through_etcd_values(report):
+    assert DrainReport.loads(report.dumps()) == report  # None ("nothing to drain") is left out of the JSON
 
 
 def test_root_cause_is_the_earliest_failure():
