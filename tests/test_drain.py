@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from typing import Callable
 
 import pytest
 
@@ -22,10 +23,20 @@ def steps_by_round(samples) -> dict[int, set[int]]:
     return rounds
 
 
-def train_args(tmp_path, steps: int) -> list[str]:
+def start_training(cluster, tmp_path, nodes: str, steps: int) -> tuple[list, Callable]:
+    """`nodes` agents (--nnodes 2:3, one worker each) of examples/train.py, once they trained 5 steps; `start`
+    starts another with the same arguments."""
     # --ckpt-every beyond the run: the only checkpoints are step 0, the drain's and the last
-    return ["--steps", str(steps), "--global-batch", "6", "--micro-batch", "1", "--ckpt-dir", str(tmp_path / "ckpt"),
+    args = ["--steps", str(steps), "--global-batch", "6", "--micro-batch", "1", "--ckpt-dir", str(tmp_path / "ckpt"),
             "--ckpt-every", "1000", "--sample-log", str(tmp_path / "samples.jsonl"), *TINY]  # fmt: skip
+
+    def start(node: str):
+        return cluster.start(node, args, nnodes="2:3", nproc=1, script=REPO / "examples" / "train.py")
+
+    agents = [start(node) for node in nodes]
+    samples = tmp_path / "samples.jsonl"
+    cluster.wait_for(lambda: samples.is_file() and '"step": 5,' in samples.read_text(), 120, "step 5")
+    return agents, start
 
 
 def assert_nothing_redone(tmp_path, steps: int, cluster) -> dict[int, set[int]]:
@@ -38,12 +49,8 @@ def assert_nothing_redone(tmp_path, steps: int, cluster) -> dict[int, set[int]]:
 
 def test_a_scale_up_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
     steps = 60
-    args = train_args(tmp_path, steps)
-    script = REPO / "examples" / "train.py"
-    agents = [cluster.start(n, args, nnodes="2:3", nproc=1, script=script) for n in "ab"]
-    samples = tmp_path / "samples.jsonl"
-    cluster.wait_for(lambda: samples.is_file() and '"step": 5,' in samples.read_text(), 120, "step 5 at 2 ranks")
-    agents.append(cluster.start("c", args, nnodes="2:3", nproc=1, script=script))
+    agents, start = start_training(cluster, tmp_path, "ab", steps)
+    agents.append(start("c"))
     for agent in agents:
         assert agent.wait(timeout=180) == 0, cluster.dump()
 
@@ -59,11 +66,7 @@ def test_a_scale_up_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
 
 def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
     steps = 50
-    args = train_args(tmp_path, steps)
-    script = REPO / "examples" / "train.py"
-    agents = [cluster.start(n, args, nnodes="2:3", nproc=1, script=script) for n in "abc"]
-    samples = tmp_path / "samples.jsonl"
-    cluster.wait_for(lambda: samples.is_file() and '"step": 5,' in samples.read_text(), 120, "step 5 at 3 ranks")
+    agents, _ = start_training(cluster, tmp_path, "abc", steps)
     os.kill(agents[2].pid, signal.SIGTERM)  # a preemption notice
     assert agents[2].wait(timeout=90) == 128 + signal.SIGTERM, cluster.dump()
     for agent in agents[:2]:
