@@ -36,6 +36,8 @@ UNSUPPORTED_FLAGS = {
     "logs-specs": "use --log-dir, --redirects and --tee",
     "numa-binding": "not implemented",
     "virtual-local-rank": "not implemented",
+    "local-rank": "it is what torch.distributed.launch passes to a script; elastic-run, like torchrun, sets "
+                  "LOCAL_RANK in each worker's environment",
 }
 RDZV_BACKENDS = {"etcd", "etcd-v3"}
 
@@ -92,8 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--signals-to-handle", dest="signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         help="signals forwarded to workers before the agent leaves")  # fmt: skip
     add("--node-id", dest="node_id", default=None, help="this agent's name in the job (default: hostname_pid)")
-    add("--worker-stop-timeout", dest="worker_stop_timeout", default="5",
-        help="seconds between SIGTERM and SIGKILL when stopping workers")  # fmt: skip
+    add("--shutdown-timeout", "--worker-stop-timeout", dest="shutdown_timeout",
+        default=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"),
+        help="seconds between SIGTERM and SIGKILL when stopping workers (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
+             "or 30)")  # fmt: skip
+    add("--event-log-handler", dest="event_log_handler", default="null",
+        help="torchrun's event handler: only null (events go to elastic-run's membership log: elastic-run log)")
+    add("--duplicate-stdout-filters", dest="duplicate_stdout_filters", default=[],
+        help="lines of the workers' stdout containing any of these comma-separated strings (,, escapes a comma) are "
+             "also written to <log-dir>/<node>/attempt_<round>/filtered_stdout.log")  # fmt: skip
+    add("--duplicate-stderr-filters", dest="duplicate_stderr_filters", default=[],
+        help="the same for stderr, into filtered_stderr.log")
     add("--watchdog-timeout", dest="watchdog_timeout", default="auto",
         help="a worker that called elastic.heartbeat and is then silent this long is hung: its stacks are dumped "
              "and it is killed, counted as a failure. SECONDS, auto (the larger of --watchdog-min and 10x its "
@@ -105,18 +116,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="before a node joins or an agent told to stop leaves, the workers checkpoint at their next step and "
              "wait, so nothing is redone; the change waits at most this long for it (default 60 s; 0: no drain)")  # fmt: skip
     for flag in UNSUPPORTED_FLAGS:
-        parser.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", dest=f"unsupported_{flag}",
+        # a value is optional: some of these are switches in torchrun; either way the flag is refused in one line
+        parser.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", dest=f"unsupported_{flag}", nargs="?",
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("training_script", nargs="?", default="", help="the script (or module) each worker runs")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
 
 
+def comma_separated(value: str | list[str]) -> list[str]:
+    """torchrun's list syntax for the duplicate filters: comma-separated, a doubled comma is a literal one."""
+    if isinstance(value, list):
+        return value
+    placeholder = "\0"
+    return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",") if item]
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Turn parsed flags into a validated LaunchConfig, or raise ConfigError with one line."""
     for flag, why in UNSUPPORTED_FLAGS.items():
         if hasattr(args, f"unsupported_{flag}"):
-            raise ConfigError(f"elastic-run does not support torchrun's --{flag}: {why}")
+            raise ConfigError(f"elastic-run does not take --{flag}: {why}")
+    if args.event_log_handler != "null":
+        raise ConfigError(f"--event-log-handler {args.event_log_handler}: elastic-run records every event in its "
+                          "membership log (elastic-run log); pass null or drop the flag")  # fmt: skip
     if args.rdzv_backend not in RDZV_BACKENDS:
         raise ConfigError(f"--rdzv-backend {args.rdzv_backend}: elastic-run rendezvous only in etcd (v3 API); "
                           "pass --rdzv-backend etcd or drop the flag")  # fmt: skip
@@ -157,7 +180,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     fields = dict(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=rdzv_id, rdzv=rdzv, standalone=args.standalone, max_restarts=args.max_restarts,
-        monitor_interval=args.monitor_interval, worker_stop_timeout=args.worker_stop_timeout, log_dir=args.log_dir,
+        monitor_interval=args.monitor_interval, worker_stop_timeout=args.shutdown_timeout, log_dir=args.log_dir,
+        duplicate_stdout_filters=comma_separated(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=comma_separated(args.duplicate_stderr_filters),
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, local_addr=args.local_addr, role=args.role,
         signals_to_handle=signals, entrypoint=script, args=args.training_script_args, module=args.module,
         no_python=args.no_python, watchdog_timeout=watchdog_timeout, drain_timeout=args.drain_timeout, **watchdog,

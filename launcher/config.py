@@ -130,7 +130,7 @@ class LaunchConfig(BaseModel):
     standalone: bool = False
     max_restarts: int = Field(0, ge=0)
     monitor_interval: float = Field(0.1, gt=0)
-    worker_stop_timeout: float = Field(5.0, ge=0, description="grace between SIGTERM and SIGKILL of workers")
+    worker_stop_timeout: float = Field(30.0, ge=0, description="grace between SIGTERM and SIGKILL of workers")
     # the progress watchdog (launcher.watchdog): seconds of silence allowed after a heartbeat, auto, or off
     watchdog_timeout: float | Literal["auto", "off"] = "auto"
     watchdog_min: float = Field(60.0, gt=0, description="the least allowance of --watchdog-timeout auto")
@@ -141,6 +141,9 @@ class LaunchConfig(BaseModel):
     redirects: Std | dict[int, Std] = Std.NONE
     tee: Std | dict[int, Std] = Std.NONE
     local_ranks_filter: set[int] | None = None
+    # torchrun's: lines of any local worker's stream containing one of these also go to filtered_<stream>.log
+    duplicate_stdout_filters: list[str] = []
+    duplicate_stderr_filters: list[str] = []
     local_addr: str | None = None
     role: str = "default"
     node_id: str = Field(default_factory=default_node_id, min_length=1, pattern=r"^[A-Za-z0-9._:-]+$")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -75,15 +76,57 @@ def read_error_file(path: Path) -> tuple[str, str, float | None]:
     return str(message.get("message", "")), str(extra.get("py_callstack", "")), written
 
 
-def _pump(source: IO[bytes], log_file: IO[bytes], console: IO[str] | None, prefix: str) -> None:
-    """Copy a worker's stream line by line into its log file and, for --tee, onto the agent's console."""
-    with source, log_file:
+class LineDuplicator:
+    """torchrun's --duplicate-std{out,err}-filters: every line of any local worker's stream that contains one of
+    `filters` is copied into one file of the attempt (`filtered_stdout.log`, `filtered_stderr.log`)."""
+
+    def __init__(self, path: Path, filters: list[str]) -> None:
+        self.path = path
+        self.filters = [f.encode() for f in filters if f]
+        self._lock = threading.Lock()
+        self._file: IO[bytes] | None = None
+
+    def offer(self, line: bytes) -> None:
+        if not any(f in line for f in self.filters):
+            return
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "ab")
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+
+
+@dataclass
+class StreamRoute:
+    """Where one worker stream goes: the Popen argument, its log file, the console (and the line prefix there), and
+    the duplicator of filtered lines; the agent pumps it line by line when the argument is a pipe."""
+
+    target: object
+    log_file: IO[bytes] | None = None
+    console: IO[str] | None = None
+    prefix: str = ""
+    duplicator: LineDuplicator | None = None
+
+
+def _pump(source: IO[bytes], route: StreamRoute) -> None:
+    """Copy a worker's stream line by line into its log file, onto the agent's console, and its filtered lines."""
+    with source:
         for line in iter(source.readline, b""):
-            log_file.write(line)
-            log_file.flush()
-            if console is not None:
-                console.write(prefix + line.decode(errors="replace"))
-                console.flush()
+            if route.log_file is not None:
+                route.log_file.write(line)
+                route.log_file.flush()
+            if route.console is not None:
+                route.console.write(route.prefix + line.decode(errors="replace"))
+                route.console.flush()
+            if route.duplicator is not None:
+                route.duplicator.offer(line)
+    if route.log_file is not None:
+        route.log_file.close()
 
 
 class WorkerOutcome(enum.Enum):
@@ -105,6 +148,11 @@ class WorkerGroup:
         self.processes: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
         self._exited_at: dict[int, float] = {}
+        self._duplicators = {
+            name: LineDuplicator(self.attempt_dir / f"filtered_{name}.log", filters)
+            for name, filters in (("stdout", config.duplicate_stdout_filters),
+                                  ("stderr", config.duplicate_stderr_filters)) if any(filters)
+        }  # fmt: skip
         # heartbeat channels exist before the workers start (or, with the watchdog off, stale ones are gone)
         self.watchdog = Watchdog(Policy.from_config(config),
                                  [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)],
@@ -119,38 +167,39 @@ class WorkerGroup:
             error_file = directory / "error.json"
             error_file.unlink(missing_ok=True)
             env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
-            streams = {name: self._stream_target(directory, local_rank, name) for name in ("stdout", "stderr")}
+            routes = {name: self._route(directory, local_rank, name) for name in ("stdout", "stderr")}
             process = subprocess.Popen(
                 command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=streams["stdout"][0], stderr=streams["stderr"][0],
+                stdout=routes["stdout"].target, stderr=routes["stderr"].target,
             )  # fmt: skip
-            for name, (target, log_file, console) in streams.items():
-                if target is subprocess.PIPE:
-                    prefix = f"[{self.config.role}{self.member.first_rank + local_rank}]:"
-                    pump = threading.Thread(target=_pump, args=(getattr(process, name), log_file, console, prefix),
-                                            daemon=True)  # fmt: skip
+            for name, route in routes.items():
+                if route.target is subprocess.PIPE:
+                    pump = threading.Thread(target=_pump, args=(getattr(process, name), route), daemon=True)
                     pump.start()
                     self._pumps.append(pump)
-                elif log_file is not None:
-                    log_file.close()  # the child holds its own descriptor
+                elif route.log_file is not None:
+                    route.log_file.close()  # the child holds its own descriptor
             self.processes.append(process)
         logger.info("round %d: started %d worker(s), ranks %d-%d of %d, logs in %s", self.round.round,
                     self.member.nproc, self.member.first_rank, self.member.last_rank, self.round.world_size,
                     self.attempt_dir)  # fmt: skip
 
-    def _stream_target(self, directory: Path, local_rank: int, name: str):
-        """(Popen argument, log file, console) for one stream under --redirects/--tee."""
+    def _route(self, directory: Path, local_rank: int, name: str) -> StreamRoute:
+        """Where one stream goes under --redirects, --tee and --duplicate-std{out,err}-filters."""
         includes = Std.includes_out if name == "stdout" else Std.includes_err
         tee = includes(self.config.std_for(self.config.tee, local_rank))
         redirect = tee or includes(self.config.std_for(self.config.redirects, local_rank))
-        if not redirect:
-            return None, None, None
-        log_file = open(directory / f"{name}.log", "ab")
-        if not tee:
-            return log_file, log_file, None
-        shown = self.config.local_ranks_filter is None or local_rank in self.config.local_ranks_filter
-        console = (sys.stdout if name == "stdout" else sys.stderr) if shown else None
-        return subprocess.PIPE, log_file, console
+        duplicator = self._duplicators.get(name)
+        log_file = open(directory / f"{name}.log", "ab") if redirect else None
+        if not tee and duplicator is None:
+            return StreamRoute(target=log_file, log_file=log_file)
+        console = sys.stdout if name == "stdout" else sys.stderr
+        if tee:
+            shown = self.config.local_ranks_filter is None or local_rank in self.config.local_ranks_filter
+            prefix = f"[{self.config.role}{self.member.first_rank + local_rank}]:"
+            return StreamRoute(subprocess.PIPE, log_file, console if shown else None, prefix, duplicator)
+        # only duplicated: the stream reaches its log file or the console as it would without the filters
+        return StreamRoute(subprocess.PIPE, log_file, None if redirect else console, "", duplicator)
 
     def poll(self) -> tuple[WorkerOutcome, list[WorkerFailure]]:
         """The group's outcome so far, and its failures earliest first; dumps and kills hung workers on the way."""
@@ -220,3 +269,5 @@ class WorkerGroup:
         stop_group(self.processes, self.config.worker_stop_timeout, signum)
         for pump in self._pumps:
             pump.join(timeout=2)
+        for duplicator in self._duplicators.values():
+            duplicator.close()
