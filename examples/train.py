@@ -62,7 +62,8 @@ class TrainConfig(BaseModel):
 
     steps: int = Field(300, gt=0, description="total optimizer steps; the LR schedule spans them")
     global_batch: int = Field(32, gt=0, description="sequences per step over all ranks, whatever the world size")
-    micro_batch: int | None = Field(16, gt=0, description="most sequences per forward pass; more become gradient accumulation")
+    micro_batch: int | None = Field(None, gt=0, description="most sequences per forward pass; more become gradient "
+                                    "accumulation (default: a rank's whole share in one pass)")
     lr: float = Field(3e-3, gt=0, description="peak learning rate of AdamW")
     warmup_steps: int | None = Field(None, ge=0, description="linear warm-up before the cosine decay (default: a tenth of --steps)")
     seed: int = Field(0, ge=0, description="seed of the model init, the data order and per-sample dropout")
@@ -90,6 +91,12 @@ class TrainConfig(BaseModel):
             problems.append(f"--stop-at ({self.stop_at}) is past the last step (--steps {self.steps})")
         if self.warmup_steps is not None and self.warmup_steps > self.steps:
             problems.append(f"--warmup-steps ({self.warmup_steps}) exceeds --steps ({self.steps})")
+        if self.micro_batch is not None and self.micro_batch > self.global_batch:
+            problems.append(f"--micro-batch ({self.micro_batch}) is larger than --global-batch ({self.global_batch}); "
+                            "drop it to take a rank's share in one pass")  # fmt: skip
+        if self.corpus_chars <= self.seq_len:
+            problems.append(f"--corpus-chars ({self.corpus_chars}) must exceed --seq-len ({self.seq_len}): not one "
+                            "training sequence fits")  # fmt: skip
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -103,8 +110,9 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         )
     try:
         return TrainConfig(**vars(parser.parse_args(argv)))
-    except ValidationError as error:
-        parser.error("; ".join(_flag_error(detail) for detail in error.errors()))
+    except ValidationError as error:  # one line, before any process group exists
+        print(f"{parser.prog}: error: " + "; ".join(_flag_error(detail) for detail in error.errors()), file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _flag_error(detail: dict) -> str:

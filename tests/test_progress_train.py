@@ -229,3 +229,20 @@ def test_inconsistent_flags_fail_before_any_process_group_starts() -> None:
     assert result.returncode == 2
     assert "--stop-at (12) is past the last step (--steps 10)" in result.stderr
     assert "--d-model (30) must be a multiple of --n-head (4)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--global-batch", "8", "--micro-batch", "16"], "--micro-batch (16) is larger than --global-batch (8)"),
+        (["--corpus-chars", "10", "--seq-len", "64"], "--corpus-chars (10) must exceed --seq-len (64)"),
+        (["--global-batch", "0"], "--global-batch: Input should be greater than 0"),
+    ],
+)
+def test_each_bad_flag_is_one_line_and_exit_2(flags: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, str(TRAIN), *flags], capture_output=True, text=True, timeout=50)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("train.py: error: ") and message in lines[0]
