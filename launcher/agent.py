@@ -187,6 +187,8 @@ class Agent:
         while True:
             if self.signal_received is not None:
                 return self._leave(self.signal_received)
+            if self.keeper.silent_for() >= self.lease.ttl + self.config.rdzv.join_timeout:
+                return self._give_up()
             if self.keeper.lost:
                 self._rejoin("etcd no longer has our lease (it expired, or the controller evicted this node)")
                 continue
@@ -431,6 +433,15 @@ class Agent:
             self.mirror.wait(seen, self.config.monitor_interval)
         logger.warning("the workers did not drain within --drain-timeout %gs; leaving anyway (the next round redoes "
                        "the steps since the last checkpoint)", self.config.drain_timeout)  # fmt: skip
+
+    def _give_up(self) -> int:
+        """etcd has not answered for longer than a node may wait to join: nothing can go on without it."""
+        self._stop_workers(signal.SIGKILL)  # fenced long ago, unless they outlived that
+        print(f"elastic-run: etcd {self.config.rdzv_endpoint or '(standalone)'} has not answered for "
+              f"{self.keeper.silent_for():.0f}s, longer than the lease ({self.lease.ttl}s) plus join_timeout "
+              f"({self.config.rdzv.join_timeout:g}s): giving up; start this node again once etcd is back",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
 
     def _job_over(self, status: JobStatus) -> int:
         if self._controller is not None:

@@ -93,3 +93,16 @@ def test_a_node_paused_past_the_probe_timeout_while_a_peer_fails_is_fenced_and_r
     for agent in agents:
         assert agent.wait(timeout=90) == 0, cluster.dump()
     assert not cluster.events("job_failed")
+
+
+def test_an_agent_whose_etcd_never_comes_back_gives_up_after_join_timeout(cluster, etcd):
+    short_wait = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=3"
+    agent = cluster.start("solo", cluster.probe(300, 0.05), nproc=1, rdzv_conf=short_wait)
+    cluster.wait_for_world(1, timeout=90)
+    workers = child_pids(agent.pid)
+    etcd.process.kill()  # gone for good
+    killed_at = time.monotonic()
+    assert agent.wait(timeout=30) == 1, cluster.dump()
+    assert time.monotonic() - killed_at < 2 + 3 + 5, "the lease (2 s) plus join_timeout (3 s), and little more"
+    assert "has not answered for" in agent.text() and "giving up" in agent.text()
+    assert not any(pid_alive(p) for p in workers)
