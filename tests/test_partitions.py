@@ -392,9 +392,11 @@ def test_node_cut_from_one_peer_is_quarantined(make_network, tmp_path, how):
     a, b = (i for i in range(3) if i != controller)
     cut_at = time.time()
     mode = net.cut_pair(a, b, how)
-    try:  # the job trains again without one of a, b (the right outcome), or runs out of restarts
+    # the job trains again without one of a, b (the right outcome), or runs out of restarts; with drop, round 1's
+    # start-up hang is caught at the start-up allowance (5 x the start-up seen: 15 s at 3 s), most of the wait
+    try:
         job.wait_for(lambda: job.first_collective(2, cut_at) or all(agent.poll() is not None for agent in job.agents),
-                     60, "a collective at world size 2, or the job's end")  # fmt: skip
+                     90, "a collective at world size 2, or the job's end")  # fmt: skip
     except AssertionError:
         pass
     recovered = job.first_collective(2, cut_at)
@@ -416,7 +418,7 @@ def test_node_cut_from_one_peer_is_quarantined(make_network, tmp_path, how):
         report(case, f"first collective at world 2 after {recovered['time'] - cut_at:.1f}s (nodes {trained})")
     else:
         last = max((c["round"] for c in job.collectives()), default=0)
-        report(case, f"no collective at world 2 within 60 s; the last round with a collective: {last}")
+        report(case, f"no collective at world 2 within 90 s; the last round with a collective: {last}")
     assert quarantined and quarantined[0] in (f"node{a}", f"node{b}"), job.dump()
     assert recovered, job.dump()
     assert {c["node"] for c in job.collectives() if c["world_size"] == 2 and c["time"] > cut_at} != {a, b}
