@@ -11,10 +11,11 @@
 
 The channel is a small shared-memory file per worker that the agent creates in the worker's log directory and
 names in `ELASTIC_HEARTBEAT_FILE` (see `launcher.watchdog`). Without that variable (plain `python`, torchrun)
-every call here is a no-op; with `--watchdog-timeout off` the agent judges no silence. A script that never calls `heartbeat` is
-never watched; once it has, a worker that stays silent longer than its allowance is taken for hung: the agent
-sends `DUMP_SIGNAL`, on which this module has `faulthandler` write every thread's Python stack to the worker's
-stderr (fd 2: its stderr.log under --redirects/--tee), and kills the worker's process group a moment later.
+every call here is a no-op; with `--watchdog-timeout off` the agent judges no silence. A script that never
+calls `heartbeat` is never watched; once it has, a worker that stays silent longer than its allowance is taken
+for hung: the agent sends `DUMP_SIGNAL`, on which this module has `faulthandler` write every thread's Python
+stack to the worker's stderr (fd 2: its stderr.log under --redirects/--tee), and kills the worker's process
+group a moment later.
 
 Interpreter shutdown runs inside `long_operation("interpreter exit")` (an atexit hook), so a slow exit is not
 taken for a hang; what a script does between its last heartbeat and its end is its own to mark.

@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="allowance inside elastic.long_operation without its own timeout (default 1800 s)")  # fmt: skip
     add("--drain-timeout", dest="drain_timeout", default="60",
         help="before a node joins or an agent told to stop leaves, the workers checkpoint at their next step and "
-             "wait, so nothing is redone; the change waits at most this long for it (default 60 s; 0: no drain)")  # fmt: skip
+             "wait, so nothing is redone; the change waits at most this long for it (default 60 s; 0: no "
+             "drain)")  # fmt: skip
     for flag in UNSUPPORTED_FLAGS:
         # a value is optional: some of these are switches in torchrun; either way the flag is refused in one line
         parser.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", dest=f"unsupported_{flag}", nargs="?",

@@ -409,9 +409,10 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
         deadlines.append(decision.until)
 
     waiting = _waiting(view, eligible)
-    if round_.round in view.drains and not (waiting and len(members) < settings.max_nodes):
+    growing = bool(waiting) and len(members) < settings.max_nodes
+    if round_.round in view.drains and not growing:
         return WithdrawDrain(round_.round)
-    if waiting and len(members) < settings.max_nodes:
+    if growing:
         deadline = clock.joiner_since + settings.last_call_timeout
         if len(members) + len(waiting) >= settings.max_nodes or now >= deadline:
             if settings.drain_timeout and round_.round not in view.drains:

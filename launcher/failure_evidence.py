@@ -18,12 +18,9 @@ the right ones:
 from __future__ import annotations
 
 import ipaddress
-import logging
 import os
 import re
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 _SYN_SENT = 0x02
 _STALLED_AFTER = 2  # retransmits, or window probes without an answer: one can be a lost packet
@@ -84,8 +81,8 @@ def _stalled(state: int, unsent: int, retransmits: int, unanswered_probes: int) 
 
 
 # a connect the path refused or that timed out; an address as gloo and c10d print it
-_UNREACHABLE = re.compile(r"no route to host|network is unreachable|connect(?:ion)? timed? ?out|timed out.{0,40}connect",
-                          re.IGNORECASE)  # fmt: skip
+_UNREACHABLE = re.compile(r"no route to host|network is unreachable|connect(?:ion)? timed? ?out|"
+                          r"timed out.{0,40}connect", re.IGNORECASE)
 _ADDRESS = re.compile(r"\[?(?P<ip>(?:\d{1,3}\.){3}\d{1,3}|[0-9a-fA-F:]*:[0-9a-fA-F:]+)\]?:\d+")
 # a peer that died closes or resets its connections; a collective that timed out waited for a peer
 _PEER_GONE = re.compile(r"reset by peer|closed by peer|connection closed|broken pipe|connection refused|"

@@ -14,12 +14,9 @@ finds its lease gone, stops its workers and rejoins as a newcomer.
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
-
-logger = logging.getLogger(__name__)
 
 _ACCEPT_WAKE_S = 0.5  # how often the server thread looks whether it should stop
 

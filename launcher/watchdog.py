@@ -21,9 +21,10 @@ The rule, as pure functions (`allowance`, `WorkerWatch.verdict`):
 A hung worker gets the signal its library registered with faulthandler (every thread's Python stack to its
 stderr), SIGCONT (a stopped process handles no signal), and `DUMP_GRACE_S` later SIGKILL, then its process group
 SIGKILL (at once when the worker leads it; `DUMP_GRACE_S` later when a supervisor runs it and takes its tree down).
-Before the kill the agent reads which of its TCP connections stalled (`launcher.failure_evidence`): evidence of a broken
-path to a peer. Its failure carries `hung`, `seconds_silent`, `last_step` and those peers (`unreachable`); the
-agent reports it like any failed worker and the membership log records `worker_hung`. In a synchronous job the peers of a hung worker block in their next
+Before the kill the agent reads which of its TCP connections stalled (`launcher.failure_evidence`): evidence of
+a broken path to a peer. Its failure carries `hung`, `seconds_silent`, `last_step` and those peers
+(`unreachable`); the agent reports it like any failed worker and the membership log records `worker_hung`. In a
+synchronous job the peers of a hung worker block in their next
 collective and fall silent too; those past their allowance are reported hung as well (their stacks show them
 waiting inside the collective), the others fail once the hung worker's connections close. The round's failures
 count as one restart against --max-restarts, as for any worker failure.
@@ -331,7 +332,8 @@ class Watchdog:
                     snapshot = cached if cached is not None and cached.seq == worker.watch.seq else None
                     hang = worker.watch.verdict(self.policy, snapshot or channel.read(worker.view), now)
                 if hang is not None:
-                    hang = dataclasses.replace(hang, stalled_peers=tuple(failure_evidence.stalled_peers(self._owner(worker, process))))
+                    stalled = failure_evidence.stalled_peers(self._owner(worker, process))
+                    hang = dataclasses.replace(hang, stalled_peers=tuple(stalled))
                     worker.hang = hang
                     logger.error("worker local_rank %d (rank %d) is hung: %s; dumping its stacks, then killing its "
                                  "process group", local_rank, first_rank + local_rank, hang.summary())  # fmt: skip

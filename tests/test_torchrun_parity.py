@@ -41,7 +41,8 @@ def test_every_torchrun_flag_is_known_to_elastic_run_by_every_spelling():
 def test_a_torchrun_flag_keeps_its_default_or_is_refused_in_one_line(action):
     mine = next(a for a in build_parser()._actions if action.option_strings[0] in a.option_strings)
     if not mine.dest.startswith("unsupported_"):
-        assert str(mine.default) == str(action.default) or mine.dest in DIFFERENT_DEFAULTS, (mine.default, action.default)
+        same = str(mine.default) == str(action.default)
+        assert same or mine.dest in DIFFERENT_DEFAULTS, (mine.default, action.default)
         return
     flag = mine.dest.removeprefix("unsupported_")
     value = [] if action.nargs == 0 or isinstance(action.const, bool) else ["1"]
