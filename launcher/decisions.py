@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from launcher.job_view import JobView
-from launcher.records import Member, NodeRecord, RoundRecord, WorkerFailure
+from launcher.records import DrainReport, Member, NodeRecord, RoundRecord, WorkerFailure
 
 
 class RoundReason(str, Enum):
@@ -428,20 +428,25 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
     return Wait(min(deadlines) if deadlines else None, "round running")
 
 
+def _drain_answers(view: JobView) -> dict[str, DrainReport]:
+    """Members' answers to the current round's drain (an answer to a withdrawn earlier one does not count)."""
+    request = view.drains.get(view.round.round)
+    if request is None:
+        return {}
+    return {node: r for node, r in view.current().drained.items() if r.number == request.number}
+
+
 def _drained(view: JobView) -> bool:
     """Every member of the current round answered its drain."""
-    request = view.drains.get(view.round.round)
-    answers = view.current().drained
-    return request is not None and all(
-        m.node in answers and answers[m.node].number == request.number for m in view.round.members
-    )
+    answers = _drain_answers(view)
+    return bool(answers) and all(m.node in answers for m in view.round.members)
 
 
 def _drain_outcome(view: JobView) -> DrainOutcome | None:
     """How the current round's drain went, when the next round forms; None when none was asked for."""
     if view.round is None or view.round.round not in view.drains:
         return None
-    steps = [r.step for r in view.current().drained.values() if r.step is not None]
+    steps = [r.step for r in _drain_answers(view).values() if r.step is not None]
     return DrainOutcome(committed=_drained(view), step=max(steps, default=None))
 
 
