@@ -32,7 +32,7 @@ from launcher.controller import Controller
 from launcher.etcd_server import free_port
 from launcher.job_view import JobView, ViewParser
 from launcher.lease_keeper import LeaseKeeper
-from launcher.liveness import LivenessServer
+from launcher.liveness import LivenessServer, probe
 from launcher.membership_log import LogMirror
 from launcher.protocol import Holder, JobStore, NodeIdTaken
 from launcher.records import (
@@ -99,6 +99,8 @@ class RoundRun:
     answered_rollcall: str | None = None
     drain_asked: int = 0  # the drain our workers were asked for (0: none, or withdrawn)
     drain_answered: int = 0  # the drain our answer is in etcd for
+    failed: bool = False  # our workers failed in this round
+    controller_checked: bool = False  # after our failure, we probed the controller's agent
 
 
 class Agent:
@@ -227,6 +229,9 @@ class Agent:
             run.acknowledged = True
         if run.pending_report is not None:
             self._report(run)
+        if run.failed and not run.controller_checked and view.controller is not None:
+            run.controller_checked = True
+            self._check_controller(Holder.decode(view.controller))
         if run.member is not None:
             self._follow_drain(run, view.drains.get(run.record.round))
         rollcall = view.rollcalls.get(run.record.round)
@@ -295,6 +300,22 @@ class Agent:
             self._claim_at = None
             self._claim_controller()
 
+    def _check_controller(self, holder: Holder) -> None:
+        """Our workers failed, maybe because the controller's node died with its workers: then nobody would act
+        on our report until its lease ended. Probe its agent; if it is certainly gone, depose it now."""
+        timeout = self.config.rdzv.probe_timeout
+        if holder.node == self.node_id or not timeout:
+            return
+        record = self.store.read_node(holder.node)
+        if record is None or record.lease != holder.lease or not record.probe_port:
+            return  # its registration already ended: the key goes with it
+        miss = probe(record.addr, record.probe_port, record.lease, timeout)
+        if miss is None or not miss.certain:
+            return  # alive, or maybe only slow: its lease decides
+        if self.store.depose_controller(holder, miss.reason, self.node_id):
+            logger.warning("the controller (node %s) is gone (%s): ended its lease so a standby takes over now",
+                           holder.node, miss.reason)  # fmt: skip
+
     # -- rounds ----------------------------------------------------------------------------------------------
     def _enter_round(self, record: RoundHeader, revision: int) -> None:
         member = self.store.read_member(record, self.node_id, self.record.lease)
@@ -335,6 +356,7 @@ class Agent:
                              failure.local_rank, failure.rank, failure.exit_code)  # fmt: skip
             self._stop_workers()  # peers of a failed worker usually hang in their next collective
             run.pending_report = NodeFailure(node=self.node_id, round=run.record.round, failures=failures)
+            run.failed = True
         else:
             run.pending_report = True
         run.phase = Phase.REPORTED

@@ -208,7 +208,7 @@ class Controller:
         targets = list(decision.members.values())
         with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_PROBES, len(targets))) as pool:
             answers = pool.map(lambda r: probe(r.addr, r.probe_port, r.lease, self.settings.probe_timeout), targets)
-        failed = {record.node: why for record, why in zip(targets, answers) if why is not None}
+        failed = {record.node: miss.reason for record, miss in zip(targets, answers) if miss is not None}
         if failed:
             self._mark_lost(MarkLost(failed, {node: decision.members[node].lease for node in failed}), view)
 

@@ -10,6 +10,10 @@ workers fail, the controller probes it (`launcher.decisions`, rule 6) and does n
 
 A node that fails its probe is marked lost and its lease revoked, which fences it: an agent alive after all
 finds its lease gone, stops its workers and rejoins as a newcomer.
+
+The controller's own node can die too. An agent whose workers failed probes the controller's agent; if that is
+certainly gone (refused, or a newer agent answers: a timeout is no proof) it deposes it (`controller_lost`,
+its lease revoked), so a standby takes over at once instead of when the lease ends.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 _ACCEPT_WAKE_S = 0.5  # how often the server thread looks whether it should stop
 
@@ -56,7 +61,17 @@ class LivenessServer:
                     pass  # the prober gave up: nothing to answer
 
 
-def probe(addr: str, port: int, incarnation: int, timeout: float) -> str | None:
+@dataclass(frozen=True)
+class Miss:
+    """A probe that found no agent of the incarnation asked for."""
+
+    reason: str
+    # the agent is certainly gone (refused, or a newer agent answers): a timeout is not proof, since an
+    # agent flooded with probes answers late too
+    certain: bool
+
+
+def probe(addr: str, port: int, incarnation: int, timeout: float) -> Miss | None:
     """None when the agent of `incarnation` answered within `timeout` seconds; otherwise why it did not."""
     deadline = time.monotonic() + timeout
     try:
@@ -64,13 +79,13 @@ def probe(addr: str, port: int, incarnation: int, timeout: float) -> str | None:
             connection.settimeout(max(deadline - time.monotonic(), 0.001))
             answer = connection.recv(64).strip().decode(errors="replace")
     except ConnectionRefusedError:
-        return "liveness probe refused: the agent is gone"
+        return Miss("liveness probe refused: the agent is gone", certain=True)
     except TimeoutError:
-        return f"no answer to a liveness probe within probe_timeout={timeout:g}s"
+        return Miss(f"no answer to a liveness probe within probe_timeout={timeout:g}s", certain=False)
     except OSError as exc:
-        return f"liveness probe failed: {exc.strerror or exc}"
+        return Miss(f"liveness probe failed: {exc.strerror or exc}", certain=False)
     if answer != f"{incarnation:x}":
-        return f"liveness probe answered by another incarnation ({answer or 'nothing'})"
+        return Miss(f"liveness probe answered by another incarnation ({answer or 'nothing'})", certain=bool(answer))
     return None
 
 

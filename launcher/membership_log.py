@@ -29,6 +29,7 @@ EventName = Literal[
     "drain_requested",
     "drain_committed",
     "drain_timed_out",
+    "controller_lost",
 ]
 TERMINAL_EVENTS = {"job_finished", "job_failed"}
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the mem
 |-----------------------------------|----------------|-------------|--------------------------------------|-----------------------------------------|-------------------------------------------|
 | state/nodes/<node>                | NodeRecord     | agent       | register (under its lease)           | key absent (or already ours: a retry)   | lease expiry or revoke; the agent leaving |
 | state/left/<node>                 | LeaveRecord    | agent       | SIGTERM/SIGINT, before workers stop  | none (the agent's own notice)           | controller, once it handled the leave     |
-| state/ctl/controller              | "<node>#<lease>"| agent      | claim (under its lease), held        | key absent (or already ours)            | lease expiry or revoke                    |
+| state/ctl/controller              | "<node>#<lease>"| agent      | claim (under its lease), held        | key absent (or already ours)            | lease expiry or revoke; an agent whose probe finds the holder gone |
 | state/ctl/round                   | RoundHeader    | controller  | form a round                         | holds controller; round rev unchanged; no status | never (replaced by the next round) |
 | state/members/<round>/<bucket>    | MemberBucket   | controller  | with the round's header (same txn)   | as the header                           | controller, when the next round forms     |
 | state/ctl/master/<round>          | MasterRecord   | group rank 0| before starting its workers          | round rev unchanged                     | controller, when the next round forms     |
@@ -124,6 +124,11 @@ class Holder:
     def encode(self) -> str:
         return f"{self.node}#{self.lease:x}"
 
+    @classmethod
+    def decode(cls, value: str) -> "Holder":
+        node, _, lease = value.rpartition("#")
+        return cls(node, int(lease, 16))
+
 
 class JobStore:
     """The named operations of the protocol on one job; the only code that builds etcd transactions for it."""
@@ -218,6 +223,24 @@ class JobStore:
             if not etcd_client.is_lease_gone(exc):
                 raise
             logger.debug("lease %x already gone: %s", lease_id, exc)
+
+    def read_node(self, node: str) -> NodeRecord | None:
+        """A node's registration as etcd holds it now (None: not registered)."""
+        raw, _ = etcd_client.call_with_retry(self.client.get, self.keys.node(node), deadline_s=5)
+        return NodeRecord.model_validate_json(raw) if raw is not None else None
+
+    def depose_controller(self, holder: Holder, reason: str, author: str) -> bool:
+        """The controller's agent is gone (its probe found it so): log it and end its lease now, not at expiry,
+        so a standby claims the key at once. False: `holder` no longer held it."""
+        event_key, event_put = self._event(new_event("controller_lost", node=holder.node, reason=reason), author)
+        deposed = self._commit(
+            compare=[self._holds_controller(holder)],
+            success=[event_put, self._tx.delete(self.keys.controller)],
+            marker=event_key,
+        )
+        if deposed:
+            self.revoke(holder.lease)  # fences the node: an agent alive after all finds its lease gone
+        return deposed
 
     def claim_controller(self, holder: Holder) -> bool:
         """Become the job's controller if nobody is; the key lives and dies with the claimant's lease."""

@@ -109,6 +109,18 @@ class Cluster:
         finally:
             client.close()
 
+    def controller(self, rdzv_id: str = "job") -> str | None:
+        """The node that holds the job's controller key now."""
+        from launcher import etcd_client
+        from launcher.protocol import Holder, JobKeys
+
+        client = etcd_client.connect(self.endpoint)
+        try:
+            raw, _ = client.get(JobKeys(rdzv_id).controller)
+        finally:
+            client.close()
+        return Holder.decode(raw.decode()).node if raw is not None else None
+
     def events(self, name: str, rdzv_id: str = "job") -> list[dict]:
         return [e for e in self.log(rdzv_id) if e["event"] == name]
 

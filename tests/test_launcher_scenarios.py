@@ -85,14 +85,18 @@ def test_worker_crash_restarts_every_node_in_a_fresh_round(cluster, tmp_path):
     assert "already finished" in late.text()
 
 
-def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster):
-    """The dead node's workers die with it, its peers' workers fail, and the controller's liveness probe finds
-    its agent gone: lost at once, long before its lease (4 s here) would end."""
+@pytest.mark.parametrize("victim_role", ["member", "controller"])
+def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, victim_role):
+    """The dead node's workers die with it and its peers' workers fail. A member's agent is found gone by the
+    controller's liveness probe; the controller's own agent by the probe of a peer whose workers failed, which
+    deposes it. Either way the node is lost at once, long before its lease (4 s here) would end."""
     probe = cluster.probe(60, 0.1)
     long_lease = FAST_RDZV.replace("keep_alive_max_attempt=3", "keep_alive_max_attempt=8")
-    agents = [cluster.start(n, probe, nnodes="2:3", rdzv_conf=long_lease) for n in ("a", "b", "c")]
+    agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=long_lease) for n in ("a", "b", "c")}
     cluster.wait_for_world(6, timeout=90)
-    victim = agents[2]
+    controller = cluster.controller()
+    victim_id = controller if victim_role == "controller" else next(n for n in agents if n != controller)
+    victim = agents.pop(victim_id)
     victim_workers = children(victim.pid)
     assert victim_workers, "the agent runs its workers as children"
 
@@ -100,17 +104,23 @@ def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster):
     os.kill(victim.pid, signal.SIGKILL)
     cluster.wait_for(lambda: not any(pid_alive(p) for p in victim_workers), 10, "the dead node's workers to die")
     again = cluster.wait_for_world(4, timeout=60, after=killed_at)
-    for agent in agents[:2]:
+    for agent in agents.values():
         assert agent.wait(timeout=90) == 0, cluster.dump()
 
     log = cluster.log()
     lost = [e for e in log if e["event"] == "node_lost"]
-    print(f"\nSIGKILL of a node: node_lost {lost[0]['time'] - killed_at:.2f}s after the kill ({lost[0]['reason']}), "
-          f"first collective at world 4 {again['time'] - killed_at:.2f}s after it")  # fmt: skip
-    assert [e["node"] for e in lost] == ["c"] and lost[0]["reason"] == "liveness probe refused: the agent is gone"
+    deposed = [e for e in log if e["event"] == "controller_lost"]
+    print(f"\nSIGKILL of the {victim_role}'s node: node_lost {lost[0]['time'] - killed_at:.2f}s after the kill "
+          f"({lost[0]['reason']}), first collective at world 4 {again['time'] - killed_at:.2f}s after it")  # fmt: skip
+    assert [e["node"] for e in lost] == [victim_id]
+    if victim_role == "member":
+        assert lost[0]["reason"] == "liveness probe refused: the agent is gone" and not deposed
+    else:
+        assert [(e["node"], e["reason"]) for e in deposed] == [(victim_id, "liveness probe refused: the agent is gone")]
+        assert deposed[0]["time"] <= lost[0]["time"], "deposed first: its lease was revoked, not left to expire"
     last_round = cluster.events("round_started")[-1]
     assert last_round["world_size"] == 4 and last_round["reason"] == "node_lost"
-    assert sorted(m["node"] for m in last_round["members"]) == ["a", "b"]
+    assert sorted(m["node"] for m in last_round["members"]) == sorted(agents)
     assert not cluster.events("restart"), "losing a node is a membership change, not a counted restart"
     assert log[-1]["event"] == "job_finished"
 

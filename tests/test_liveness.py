@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.liveness import LivenessServer, probe
+from launcher.liveness import LivenessServer, Miss, probe
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -22,10 +22,12 @@ def test_a_live_agent_answers_with_its_incarnation():
     server.incarnation = 0x1F2E
     try:
         assert probe("127.0.0.1", server.port, 0x1F2E, timeout=2.0) is None
-        assert "another incarnation (1f2e)" in probe("127.0.0.1", server.port, 0x99, timeout=2.0)
+        assert probe("127.0.0.1", server.port, 0x99, timeout=2.0) == Miss(
+            "liveness probe answered by another incarnation (1f2e)", certain=True)
     finally:
         server.stop()
-    assert "refused" in probe("127.0.0.1", server.port, 0x1F2E, timeout=2.0), "stopped: the port is closed"
+    assert probe("127.0.0.1", server.port, 0x1F2E, timeout=2.0) == Miss(
+        "liveness probe refused: the agent is gone", certain=True), "stopped: the port is closed"
 
 
 def test_a_stopped_agent_does_not_answer_within_the_timeout():
@@ -39,7 +41,8 @@ def test_a_stopped_agent_does_not_answer_within_the_timeout():
         while Path(f"/proc/{agent.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
             time.sleep(0.01)  # the stop takes effect asynchronously
         started = time.monotonic()
-        assert "no answer to a liveness probe within probe_timeout=0.3s" == probe("127.0.0.1", port, 7, timeout=0.3)
+        assert probe("127.0.0.1", port, 7, timeout=0.3) == Miss(
+            "no answer to a liveness probe within probe_timeout=0.3s", certain=False)
         assert time.monotonic() - started < 1.0
     finally:
         agent.kill()
@@ -50,4 +53,4 @@ def test_an_address_nobody_listens_on_is_refused_at_once():
     with socket.socket() as placeholder:
         placeholder.bind(("127.0.0.1", 0))
         port = placeholder.getsockname()[1]
-    assert "refused" in probe("127.0.0.1", port, 1, timeout=2.0)
+    assert probe("127.0.0.1", port, 1, timeout=2.0).certain
