@@ -1,18 +1,21 @@
-"""Recovery benchmark: seconds from losing one of 3 nodes to the first collective in the smaller world.
+"""Recovery benchmark: seconds from a fault to the first collective of the re-formed world.
 
-For each launcher (elastic-run, torchrun with the c10d rendezvous) and each fault (SIGKILL: a dead host;
-SIGSTOP: a hung host), in one run on this machine:
+For each launcher (elastic-run with warm workers, elastic-run-cold with --no-warm-workers, torchrun with the
+c10d rendezvous) and each fault (SIGKILL: a dead host; SIGSTOP: a hung host; crash: one worker killed), in
+one run on this machine:
 
   1. start 3 agents ("nodes") x 2 workers of examples/collective_probe.py, --nnodes 2:3, --max-restarts 3;
-  2. wait until the world of 6 has completed a few collectives;
+  2. wait until the world of 6 has completed a few collectives, then --settle seconds more (a job that has
+     been training a while: elastic-run's warm workers for the next round are ready by then);
   3. hit the LAST node (never the first, which hosts torchrun's c10d store): SIGKILL or SIGSTOP its agent and
-     its workers;
-  4. time the first probe collective in a world of 4 completed after the fault, capped at --deadline.
+     its workers, or SIGKILL one of its workers;
+  4. time the first probe collective of the next world completed after the fault (4 workers after a lost
+     node, 6 in a later round after a crash), capped at --deadline.
 
 Both launchers run in the same invocation so that their ratio means something on a machine whose load
 changes from minute to minute. Every figure printed is measured in this run.
 
-    python bench/recovery_bench.py                                    # elastic-run and tuned torchrun, kill and stop
+    python bench/recovery_bench.py                   # elastic-run warm and cold, tuned torchrun; kill, stop, crash
     python bench/recovery_bench.py --launchers elastic-run --faults kill
     python bench/recovery_bench.py --launchers elastic-run,torchrun,torchrun-defaults --deadline 60
 """
@@ -56,17 +59,19 @@ ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_ti
 TORCHRUN_TUNED_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,close_timeout=10"
 TORCHRUN_DEFAULT_CONF = ""
 
-LAUNCHERS = ("elastic-run", "torchrun", "torchrun-defaults")
-FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+LAUNCHERS = ("elastic-run", "elastic-run-cold", "torchrun", "torchrun-defaults")
+FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "crash": signal.SIGKILL}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))  # fmt: skip
-    parser.add_argument("--launchers", default="elastic-run,torchrun",
+    parser.add_argument("--launchers", default="elastic-run,elastic-run-cold,torchrun",
                         help=f"comma-separated, from {', '.join(LAUNCHERS)} (torchrun = tuned c10d conf)")
-    parser.add_argument("--faults", default="kill,stop", help="comma-separated, from kill, stop")
+    parser.add_argument("--faults", default="kill,stop,crash", help="comma-separated, from kill, stop, crash")
+    parser.add_argument("--settle", type=float, default=8.0,
+                        help="seconds of training after the warm-up steps before the fault (default 8)")
     parser.add_argument("--deadline", type=float, default=120.0,
                         help="seconds after the fault to wait for a collective at world size 4 (default 120)")
     parser.add_argument("--warmup-steps", type=int, default=5,
@@ -180,7 +185,7 @@ class Job:
 
     def start(self, step_time: float) -> None:
         rdzv_id = f"bench-{uuid.uuid4().hex[:8]}"
-        if self.launcher == "elastic-run":
+        if self.launcher.startswith("elastic-run"):
             etcd_dir = self.workdir / "etcd"  # inside the scenario directory, so it goes with it
             etcd_dir.mkdir()
             self.etcd = EtcdServer(data_dir=str(etcd_dir)).start()
@@ -188,8 +193,9 @@ class Job:
         probe_args = [str(PROBE), "--steps", "100000", "--step-time", str(step_time), "--log", str(self.probe_log)]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         for node in range(NODES):
-            if self.launcher == "elastic-run":
-                command = elastic_run_command(node, self.etcd.endpoint, rdzv_id, self.log_dir(node), probe_args)
+            if self.launcher.startswith("elastic-run"):
+                warm = self.launcher == "elastic-run"
+                command = elastic_run_command(node, self.etcd.endpoint, rdzv_id, self.log_dir(node), probe_args, warm)
             else:
                 conf = TORCHRUN_TUNED_CONF if self.launcher == "torchrun" else TORCHRUN_DEFAULT_CONF
                 command = torchrun_command(node, store_port, rdzv_id, conf, self.log_dir(node), probe_args)
@@ -216,6 +222,14 @@ class Job:
                     node, len(tree), self.agents[node].pid, groups)  # fmt: skip
         return fault_time
 
+    def crash_worker(self, node: int) -> float:
+        """SIGKILL one worker of `node` (its agent lives on); returns the time of the fault."""
+        worker = child_pids(self.agents[node].pid)[0]  # seen through its supervisor
+        fault_time = time.time()
+        os.kill(worker, signal.SIGKILL)
+        logger.info("  SIGKILL worker pid %d of node%d", worker, node)
+        return fault_time
+
     def stop(self) -> None:
         """Kill every process this job started, stopped ones included, then the etcd it ran on."""
         started = set(processes_mentioning(str(self.workdir)))
@@ -239,13 +253,14 @@ class Job:
             logger.warning("  processes still alive after cleanup: %s", leftover)
 
 
-def elastic_run_command(node: int, endpoint: str, rdzv_id: str, log_dir: Path, probe_args: list[str]) -> list[str]:
+def elastic_run_command(node: int, endpoint: str, rdzv_id: str, log_dir: Path, probe_args: list[str],
+                        warm: bool) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "launcher.cli",  # the `elastic-run` console script, run by this interpreter
         "--nnodes", f"{NODES - 1}:{NODES}", "--nproc-per-node", str(NPROC_PER_NODE),
         "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
         "--rdzv-conf", ELASTIC_RDZV_CONF, "--max-restarts", "3",
-        "--node-id", f"node{node}", "--log-dir", str(log_dir), *probe_args,
+        "--node-id", f"node{node}", "--log-dir", str(log_dir), *([] if warm else ["--no-warm-workers"]), *probe_args,
     ]  # fmt: skip
 
 
@@ -303,19 +318,21 @@ def wait_for_full_world(probe: ProbeLog, job: Job, steps: int, timeout: float) -
     return False
 
 
-def wait_for_small_world(probe: ProbeLog, job: Job, fault_time: float, deadline_s: float) -> tuple[dict | None, str]:
-    """The first collective at world size 4 completed after the fault, or None and why there was none."""
+def wait_for_recovery(probe: ProbeLog, job: Job, fault_time: float, world_size: int, after_round: int,
+                      deadline_s: float) -> tuple[dict | None, str]:  # fmt: skip
+    """The first collective at `world_size` in a round after `after_round` completed after the fault, or None
+    and why there was none."""
     deadline = fault_time + deadline_s
     next_progress = time.time() + 15
     while time.time() < deadline:
         for entry in probe.read_new():
-            if entry["world_size"] == SMALL_WORLD and entry["time"] > fault_time:
+            if entry["world_size"] == world_size and entry["time"] > fault_time and entry["round"] > after_round:
                 return entry, ""
         if job.running_agents() == 0:
             return None, f"all agents exited {time.time() - fault_time:.0f} s after the fault"
         if time.time() >= next_progress:
             logger.info("  ... %.0f s after the fault, no collective at world size %d yet", time.time() - fault_time,
-                        SMALL_WORLD)  # fmt: skip
+                        world_size)  # fmt: skip
             next_progress += 15
         time.sleep(0.05)
     return None, ""
@@ -355,30 +372,36 @@ def last_exception(text: str) -> str:
     return found[-1].rsplit(".", 1)[-1] if found else "?"
 
 
-def membership_events(job: Job, fault_time: float, wait_s: float = 3.0) -> list[dict]:
+def world_after(fault: str) -> int:
+    """The world size training resumes at: a lost node's workers are gone; a crashed worker is restarted."""
+    return FULL_WORLD if fault == "crash" else SMALL_WORLD
+
+
+def membership_events(job: Job, fault_time: float, world_size: int, wait_s: float = 3.0) -> list[dict]:
     """A survivor's membership.jsonl events after the fault; waits for its mirror (every 0.5 s) to catch up."""
     path = job.log_dir(0) / "membership.jsonl"
     deadline = time.monotonic() + wait_s
     while True:
         events = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         later = [e for e in events if e["time"] > fault_time]
-        if any(e["event"] == "round_started" and e.get("world_size") == SMALL_WORLD for e in later):
+        if any(e["event"] == "round_started" and e.get("world_size") == world_size for e in later):
             return later
         if time.monotonic() > deadline:
             return later
         time.sleep(0.2)
 
 
-def recovery_split(events: list[dict], fault_time: float, first_collective: float,
+def recovery_split(events: list[dict], fault_time: float, first_collective: float, world_size: int,
                    workers_launched: float | None) -> dict[str, float] | None:  # fmt: skip
-    """fault -> node_lost (lease expiry) -> round_started (world of 4) -> first collective, in seconds."""
-    lost = next((e for e in events if e["event"] == "node_lost" and e.get("node") == f"node{FAULTED_NODE}"), None)
-    started = next((e for e in events if e["event"] == "round_started" and e.get("world_size") == SMALL_WORLD), None)
-    if lost is None or started is None:
+    """fault -> detected (node_lost, or worker_failed) -> round_started -> first collective, in seconds."""
+    detected = next((e for e in events if e["event"] in ("node_lost", "worker_failed")
+                     and e.get("node") == f"node{FAULTED_NODE}"), None)  # fmt: skip
+    started = next((e for e in events if e["event"] == "round_started" and e.get("world_size") == world_size), None)
+    if detected is None or started is None:
         return None
     split = {
-        "fault -> node_lost": lost["time"] - fault_time,
-        "node_lost -> round_started": started["time"] - lost["time"],
+        f"fault -> {detected['event']}": detected["time"] - fault_time,
+        f"{detected['event']} -> round_started": started["time"] - detected["time"],
         "round_started -> first collective": first_collective - started["time"],
     }
     if workers_launched is not None and started["time"] <= workers_launched <= first_collective:
@@ -435,29 +458,39 @@ class Result:
 def run_scenario(launcher: str, fault: str, args: argparse.Namespace) -> Result:
     workdir = Path(tempfile.mkdtemp(prefix=f"recovery-bench-{launcher}-{fault}-"))
     job = Job(launcher, workdir)
+    elastic = launcher.startswith("elastic-run")
     try:
         job.start(args.step_time)
         probe = ProbeLog(job.probe_log)
         if not wait_for_full_world(probe, job, args.warmup_steps, args.startup_timeout):
             return Result(launcher, fault, None, f"the {FULL_WORLD}-worker world never completed "
                                                  f"{args.warmup_steps} collectives; see {workdir}")  # fmt: skip
-        logger.info("  world of %d trained %d steps; faulting node%d", FULL_WORLD, args.warmup_steps, FAULTED_NODE)
-        if launcher == "elastic-run":
+        logger.info("  world of %d trained %d steps; faulting node%d in %.0f s", FULL_WORLD, args.warmup_steps,
+                    FAULTED_NODE, args.settle)  # fmt: skip
+        time.sleep(args.settle)
+        if elastic:
             logger.info("  round 0 ranks: %s", first_round_ranks(job))
-        fault_time = job.hit(FAULTED_NODE, FAULTS[fault])
-        first, why = wait_for_small_world(probe, job, fault_time, args.deadline)
+        probe.read_new()
+        round_at_fault = max(c["round"] for c in probe.collectives)
+        if fault == "crash":
+            fault_time = job.crash_worker(FAULTED_NODE)
+        else:
+            fault_time = job.hit(FAULTED_NODE, FAULTS[fault])
+        world_size = world_after(fault)
+        first, why = wait_for_recovery(probe, job, fault_time, world_size, round_at_fault, args.deadline)
         if first is None:
             note = why or f"no recovery within {args.deadline:.0f} s"
             result = Result(launcher, fault, None, f"{note}; {after_fault_note(job, probe, fault_time)}")
         else:
             seconds = first["time"] - fault_time
-            result = Result(launcher, fault, seconds, f"round {first['round']}, restart count {first['restarts']}")
+            result = Result(launcher, fault, seconds, f"world {world_size}, round {first['round']}, "
+                                                      f"restart count {first['restarts']}")  # fmt: skip
         result.fault_time = fault_time
-        if launcher == "elastic-run":
-            result.events = membership_events(job, fault_time)
+        if elastic:
+            result.events = membership_events(job, fault_time, world_size)
             if first is not None:
                 launched = workers_launched_at(job, first["round"])
-                result.split = recovery_split(result.events, fault_time, first["time"], launched)
+                result.split = recovery_split(result.events, fault_time, first["time"], world_size, launched)
         return result
     finally:
         job.stop()
@@ -472,7 +505,7 @@ def run_scenario(launcher: str, fault: str, args: argparse.Namespace) -> Result:
 
 def print_report(results: list[Result], args: argparse.Namespace) -> None:
     print()
-    header = ("launcher", "fault", f"seconds to first collective at world size {SMALL_WORLD}", "note")
+    header = ("launcher", "fault", "seconds to the first collective after it", "note")
     rows = [(r.launcher, r.fault, f"{r.seconds:.2f}" if r.seconds is not None else f"> {args.deadline:.0f} (none)",
              r.note) for r in results]  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
@@ -483,22 +516,22 @@ def print_report(results: list[Result], args: argparse.Namespace) -> None:
     by_key = {(r.launcher, r.fault): r for r in results}
     for fault in args.faults:
         elastic = by_key.get(("elastic-run", fault))
-        for other in (launcher for launcher in args.launchers if launcher.startswith("torchrun")):
+        for other in (launcher for launcher in args.launchers if launcher != "elastic-run"):
             baseline = by_key.get((other, fault))
             if elastic is None or baseline is None:
                 continue
             print(f"{fault}: {ratio_line(elastic, baseline, args.deadline)}")
 
     for result in results:
-        if result.launcher != "elastic-run":
+        if not result.launcher.startswith("elastic-run"):
             continue
-        print(f"\nelastic-run, {result.fault}: membership events after the fault (node0's membership.jsonl)")
+        print(f"\n{result.launcher}, {result.fault}: membership events after the fault (node0's membership.jsonl)")
         for event in result.events:
             print("  " + describe_event(event, result.fault_time))
         if result.split:
             for step, seconds in result.split.items():
                 print(f"  {step:<46} {seconds:6.2f} s")
-    print(f"\nelastic-run --rdzv-conf {ELASTIC_RDZV_CONF}")
+    print(f"\nelastic-run --rdzv-conf {ELASTIC_RDZV_CONF} (elastic-run-cold: the same with --no-warm-workers)")
     print(f"torchrun    --rdzv-conf {TORCHRUN_TUNED_CONF},is_host=true|false")
     print("torchrun-defaults --rdzv-conf is_host=true|false (c10d defaults otherwise)")
 
@@ -530,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("%s, %s of node%d of %d:", launcher, fault.upper(), FAULTED_NODE, NODES)
                 result = run_scenario(launcher, fault, args)
                 seconds = f"{result.seconds:.2f} s" if result.seconds is not None else "none"
-                logger.info("  -> first collective at world size %d: %s %s", SMALL_WORLD, seconds, result.note)
+                logger.info("  -> first collective after the fault: %s %s", seconds, result.note)
                 results.append(result)
     except KeyboardInterrupt:
         logger.warning("interrupted: every process started was killed; results so far follow")

@@ -46,8 +46,9 @@ from launcher.records import (
     RoundHeader,
 )
 from launcher.watch import RangeMirror
+from launcher.warm_workers import WarmPool
 from launcher.watchdog import StartupHistory
-from launcher.workers import WorkerGroup, WorkerOutcome
+from launcher.workers import WorkerGroup, WorkerOutcome, node_worker_env
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ _ETCD_WARN_AFTER_S = 2.0
 # controller key, so that thousands of agents do not all write at once when the controller dies.
 _CLAIM_SPREAD_PER_MEMBER_S = 0.001
 _CLAIM_SPREAD_MAX_S = 1.0
+_WARM_REFILL_AFTER_S = 5.0
 
 
 def address_facing(endpoint_host: str) -> str:
@@ -101,6 +103,7 @@ class RoundRun:
     drain_answered: int = 0  # the drain our answer is in etcd for
     failed: bool = False  # our workers failed in this round
     controller_checked: bool = False  # after our failure, we probed the controller's agent
+    refill_warm_at: float | None = None  # when to pre-start the next round's warm workers (monotonic)
 
 
 class Agent:
@@ -120,6 +123,9 @@ class Agent:
         self.signal_received: int | None = None
         self.mirror: RangeMirror | None = None
         self.liveness: LivenessServer | None = None  # answers the controller's probes while this agent lives
+        # the next round's workers, pre-started with torch imported (None: every worker starts cold)
+        self.warm = WarmPool(node_worker_env(self.addr, config.nproc_per_node), config.nproc_per_node) \
+            if config.starts_warm else None  # fmt: skip
         self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
         self._controller: threading.Thread | None = None
         self._stop_controller = threading.Event()
@@ -139,11 +145,15 @@ class Agent:
         self.mirror = RangeMirror(self.client, self.store.keys.ctl).start()
         self.liveness = LivenessServer(self.addr).start()
         try:
+            if self.warm is not None:
+                self.warm.fill()  # their imports overlap the rendezvous
             self._join()
             return self._loop()
         finally:
             self._stop_controller.set()
             self._stop_workers()
+            if self.warm is not None:
+                self.warm.close()
             if self.keeper is not None:
                 self.keeper.stop()
             self.liveness.stop()
@@ -224,6 +234,9 @@ class Agent:
             self._start_workers(run, view.masters.get(run.record.round))
         elif run.phase is Phase.RUNNING:
             self._poll_workers(run)
+        if self.warm is not None and run.refill_warm_at is not None and time.monotonic() >= run.refill_warm_at:
+            run.refill_warm_at = None
+            self.warm.fill()
         if run.workers is not None and not run.acknowledged:
             self.store.acknowledge(run.record.round, run.revision, self.node_id, os.getpid())
             run.acknowledged = True
@@ -338,9 +351,11 @@ class Agent:
             master = MasterRecord(addr=member.addr, port=free_port(member.addr))
             if not self.store.publish_master(run.record.round, run.revision, master):
                 return  # the round moved on; the next step enters the new one
-        run.workers = WorkerGroup(self.config, run.record, member, master, self.startups)
+        run.workers = WorkerGroup(self.config, run.record, member, master, self.startups, self.warm)
         run.workers.start()
         run.phase = Phase.RUNNING
+        # refilled once this round's workers are past their own start-up, not competing with it for the CPU
+        run.refill_warm_at = time.monotonic() + max(_WARM_REFILL_AFTER_S, 2 * (self.startups.longest or 0.0))
 
     def _poll_workers(self, run: RoundRun) -> None:
         outcome, failures = run.workers.poll()

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--role", dest="role", default="default", help="worker role name (ROLE_NAME)")
     add("-m", "--module", dest="module", action="store_true", help="run the script as a Python module")
     add("--no-python", dest="no_python", action="store_true", help="run the script as an executable")
+    add("--no-warm-workers", dest="no_warm_workers", action="store_true",
+        help="start every worker as a new interpreter; by default each local rank's next worker waits pre-started "
+             "with torch imported, which saves seconds at every restart (never with -m or --no-python)")  # fmt: skip
     add("--log-dir", dest="log_dir", default=None, help="worker logs and membership.jsonl (default: a temp dir)")
     add("-r", "--redirects", dest="redirects", default="0", help="worker streams to files: 0-3 or local_rank:v,...")
     add("-t", "--tee", dest="tee", default="0", help="worker streams to files and console: 0-3 or local_rank:v,...")
@@ -186,7 +189,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         duplicate_stderr_filters=comma_separated(args.duplicate_stderr_filters),
         redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, local_addr=args.local_addr, role=args.role,
         signals_to_handle=signals, entrypoint=script, args=args.training_script_args, module=args.module,
-        no_python=args.no_python, watchdog_timeout=watchdog_timeout, drain_timeout=args.drain_timeout, **watchdog,
+        no_python=args.no_python, warm_workers=not args.no_warm_workers, watchdog_timeout=watchdog_timeout, drain_timeout=args.drain_timeout, **watchdog,
     )  # fmt: skip
     if args.node_id:
         fields["node_id"] = args.node_id

@@ -152,6 +152,7 @@ class LaunchConfig(BaseModel):
     args: list[str] = []
     module: bool = False
     no_python: bool = False
+    warm_workers: bool = True  # pre-started interpreters, torch imported (launcher.warm_workers); not with -m/--no-python
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "LaunchConfig":
@@ -190,6 +191,10 @@ class LaunchConfig(BaseModel):
 
     def std_for(self, spec: Std | dict[int, Std], local_rank: int) -> Std:
         return spec.get(local_rank, Std.NONE) if isinstance(spec, dict) else spec
+
+    @property
+    def starts_warm(self) -> bool:
+        return self.warm_workers and not self.module and not self.no_python
 
     def worker_command(self) -> list[str]:
         if self.no_python:

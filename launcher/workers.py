@@ -21,16 +21,27 @@ from launcher.network import gloo_interface_env
 from launcher.process_tree import stop_group, supervised_command
 from launcher.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
 from launcher import failure_evidence
+from launcher.warm_workers import WarmPool, WarmWorker
 from launcher.watchdog import HEARTBEAT_FILE, Policy, StartupHistory, Watchdog, read_dump
 
 logger = logging.getLogger(__name__)
+
+
+def node_worker_env(addr: str, nproc: int) -> dict[str, str]:
+    """The part of a worker's environment that stays the same from round to round on this node."""
+    env = dict(os.environ)
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    # gloo would otherwise bind where the hostname resolves, often 127.0.x.1, which peers on other hosts cannot reach
+    env.update(gloo_interface_env(addr, os.environ))
+    return env
 
 
 def worker_env(config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord, local_rank: int,
                error_file: Path) -> dict[str, str]:  # fmt: skip
     """The variables torchrun sets for a worker, plus ELASTIC_ROUND and ELASTIC_HEARTBEAT_FILE."""
     rank = member.first_rank + local_rank
-    env = dict(os.environ)
+    env = node_worker_env(member.addr, member.nproc)
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(local_rank),
@@ -55,10 +66,6 @@ def worker_env(config: LaunchConfig, round_: RoundHeader, member: Member, master
     # the worker's channel to its agent (heartbeats for the watchdog, drains): a file next to the error file,
     # created by WorkerGroup; never the channel of an outer elastic-run
     env[HEARTBEAT_ENV] = str(error_file.parent / HEARTBEAT_FILE)
-    if member.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = "1"
-    # gloo would otherwise bind where the hostname resolves, often 127.0.x.1, which peers on other hosts cannot reach
-    env.update(gloo_interface_env(member.addr, os.environ))
     return env
 
 
@@ -139,8 +146,10 @@ class WorkerGroup:
     """The local workers of one round, each in its own process group so its whole tree can be stopped."""
 
     def __init__(self, config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord,
-                 startups: StartupHistory | None = None) -> None:  # fmt: skip
+                 startups: StartupHistory | None = None, warm: WarmPool | None = None) -> None:  # fmt: skip
         self.config = config
+        self.warm = warm
+        self.started_warm = 0  # how many of the workers started in a warm interpreter
         self.round = round_
         self.member = member
         self.master = master
@@ -160,7 +169,7 @@ class WorkerGroup:
 
     def start(self) -> None:
         # each worker runs under a supervisor: its whole tree dies with the agent (even SIGKILLed) or with it
-        command = supervised_command(self.config.worker_command())
+        node_env = node_worker_env(self.member.addr, self.member.nproc)
         for local_rank in range(self.member.nproc):
             directory = self.attempt_dir / str(local_rank)
             directory.mkdir(parents=True, exist_ok=True)
@@ -168,21 +177,56 @@ class WorkerGroup:
             error_file.unlink(missing_ok=True)
             env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
             routes = {name: self._route(directory, local_rank, name) for name in ("stdout", "stderr")}
-            process = subprocess.Popen(
-                command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=routes["stdout"].target, stderr=routes["stderr"].target,
-            )  # fmt: skip
-            for name, route in routes.items():
-                if route.target is subprocess.PIPE:
-                    pump = threading.Thread(target=_pump, args=(getattr(process, name), route), daemon=True)
-                    pump.start()
-                    self._pumps.append(pump)
-                elif route.log_file is not None:
+            warm = self.warm.take(local_rank, node_env) if self.warm is not None else None
+            if warm is not None and self._launch_warm(warm, env, routes):
+                process = warm.process
+                self.started_warm += 1
+            else:
+                process = self._launch_cold(env, routes)
+            for route in routes.values():
+                if route.log_file is not None and route.target is not subprocess.PIPE:
                     route.log_file.close()  # the child holds its own descriptor
             self.processes.append(process)
-        logger.info("round %d: started %d worker(s), ranks %d-%d of %d, logs in %s", self.round.round,
-                    self.member.nproc, self.member.first_rank, self.member.last_rank, self.round.world_size,
-                    self.attempt_dir)  # fmt: skip
+        logger.info("round %d: started %d worker(s) (%d warm), ranks %d-%d of %d, logs in %s", self.round.round,
+                    self.member.nproc, self.started_warm, self.member.first_rank, self.member.last_rank,
+                    self.round.world_size, self.attempt_dir)  # fmt: skip
+
+    def _launch_cold(self, env: dict[str, str], routes: dict[str, StreamRoute]) -> subprocess.Popen:
+        process = subprocess.Popen(
+            supervised_command(self.config.worker_command()), env=env, start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=routes["stdout"].target, stderr=routes["stderr"].target,
+        )  # fmt: skip
+        for name, route in routes.items():
+            if route.target is subprocess.PIPE:
+                self._pump(getattr(process, name), route)
+        return process
+
+    def _launch_warm(self, warm: WarmWorker, env: dict[str, str], routes: dict[str, StreamRoute]) -> bool:
+        """Hand the round to a warm interpreter: stdio as a cold worker's (pipes the agent pumps, log files, or
+        the agent's own console), the script and its arguments as `python -u script args` would have them."""
+        fds, pumped = [], []
+        for name, route in routes.items():
+            if route.target is subprocess.PIPE:
+                read_end, write_end = os.pipe()
+                fds.append(write_end)
+                pumped.append((read_end, write_end, route))
+            elif route.target is None:
+                fds.append(sys.stdout.fileno() if name == "stdout" else sys.stderr.fileno())
+            else:
+                fds.append(route.target.fileno())
+        launched = warm.launch(env, [self.config.entrypoint, *self.config.args], *fds)
+        for read_end, write_end, route in pumped:
+            os.close(write_end)  # the worker holds its own copy
+            if launched:
+                self._pump(os.fdopen(read_end, "rb"), route)
+            else:
+                os.close(read_end)
+        return launched
+
+    def _pump(self, source: IO[bytes], route: StreamRoute) -> None:
+        pump = threading.Thread(target=_pump, args=(source, route), daemon=True)
+        pump.start()
+        self._pumps.append(pump)
 
     def _route(self, directory: Path, local_rank: int, name: str) -> StreamRoute:
         """Where one stream goes under --redirects, --tee and --duplicate-std{out,err}-filters."""

@@ -17,16 +17,23 @@ from launcher_harness import FAST_RDZV, REPO, Cluster, elastic_run_command, even
 pytestmark = pytest.mark.slow
 
 
-def test_unmodified_torchrun_script_gets_torchruns_environment(cluster, tmp_path):
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_unmodified_torchrun_script_gets_torchruns_environment(cluster, tmp_path, warm):
+    """The same contract whether a worker starts in a pre-started interpreter or a new one: environment, argv,
+    sys.path[0], __main__, __file__, exit code."""
     out = tmp_path / "env"
     out.mkdir()
     script = REPO / "tests" / "workers" / "env_dump.py"
+    extra = [] if warm else ["--no-warm-workers"]
     agents = [
-        cluster.start(f"node{i}", [str(out)], nnodes="2", nproc=2, script=script, env={"OMP_NUM_THREADS": None})
+        cluster.start(f"node{i}", [str(out), "3"], nnodes="2", nproc=2, script=script, extra=extra,
+                      env={"OMP_NUM_THREADS": None})  # fmt: skip
         for i in range(2)
     ]
     for agent in agents:
-        assert agent.wait(timeout=90) == 0, cluster.dump()
+        assert agent.wait(timeout=90) == 1, cluster.dump()
+    failures = cluster.events("worker_failed")
+    assert failures and {e["exit_code"] for e in failures} == {3}, "the script's exit code is the worker's"
 
     records = {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in out.glob("rank*.json")}
     assert sorted(records) == [0, 1, 2, 3]
@@ -49,6 +56,9 @@ def test_unmodified_torchrun_script_gets_torchruns_environment(cluster, tmp_path
         assert env["OMP_NUM_THREADS"] == "1"
         assert env["ELASTIC_ROUND"] == "0"
         assert env["all_reduce"] == 4.0
+        assert env["started_warm"] is warm
+        assert env["argv"] == [str(script), str(out), "3"] and env["path0"] == str(script.parent)
+        assert env["file"] == str(script) and env["name"] == "__main__" and env["main_is_this"]
     assert len({env["MASTER_PORT"] for env in records.values()}) == 1
 
 

@@ -4,8 +4,10 @@ import json
 import os
 import sys
 
-import torch
-import torch.distributed as dist
+STARTED_WARM = "torch" in sys.modules  # a warm worker's interpreter imported torch before the script ran
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 NAMES = [
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
@@ -20,6 +22,9 @@ dist.all_reduce(total)
 record = {name: os.environ.get(name) for name in NAMES}
 record["all_reduce"] = total.item()
 record["pid"] = os.getpid()
+record.update(started_warm=STARTED_WARM, argv=sys.argv, path0=sys.path[0], file=__file__, name=__name__,
+              main_is_this=sys.modules["__main__"].__dict__ is globals())  # fmt: skip
 with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as out:
     json.dump(record, out)
 dist.destroy_process_group()
+sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)

@@ -1,0 +1,90 @@
+"""The program of a warm worker: an interpreter that imports torch ahead of its round, then runs the script.
+
+The agent starts it (under the same supervisor as a cold worker) with the round-independent part of the
+worker environment and one end of a SOCK_SEQPACKET socket pair in `ELASTIC_WARM_CONTROL_FD`. It imports
+torch and torch.distributed, and waits for one launch message: a JSON object (`env`, `argv`)
+with the worker's stdout and stderr attached as file descriptors. It then becomes `python script.py args`:
+stdout/stderr on those descriptors, the round's environment, `sys.argv`, `sys.path[0]` the script's
+directory, the script run as `__main__`; its exit code and uncaught exception are the script's. The socket
+closing without a message (the agent is gone, or no round needs this interpreter) ends it with status 0.
+
+Run as a file, never imported by the worker: nothing of `launcher` stays in the script's `sys.modules`.
+"""
+
+import builtins
+import importlib.machinery
+import io
+import json
+import os
+import signal
+import socket
+import sys
+import types
+
+CONTROL_FD_ENV = "ELASTIC_WARM_CONTROL_FD"
+MAX_LAUNCH_BYTES = 4 << 20
+
+
+def _wait_for_launch(control: socket.socket) -> tuple[dict, list[int]] | None:
+    message, fds, _, _ = socket.recv_fds(control, MAX_LAUNCH_BYTES, 2)
+    if not message:
+        return None
+    return json.loads(message), fds
+
+
+def main() -> None:
+    control = socket.socket(fileno=int(os.environ.pop(CONTROL_FD_ENV)))
+    import torch  # noqa: F401  (the cost a warm worker pays before its round, not in it)
+    import torch.distributed  # noqa: F401  (the part every elastic-run script uses)
+
+    launch = _wait_for_launch(control)
+    control.close()
+    if launch is None:
+        os._exit(0)
+    order, (stdout_fd, stderr_fd) = launch
+    for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(order["env"])
+    sys.argv = list(order["argv"])
+    _run_as_main(sys.argv[0])
+
+
+def _run_as_main(script: str) -> None:
+    """What `python script` does with its script: its directory first on sys.path, a fresh `__main__` module
+    (kept, as the interpreter keeps it: pickling and atexit see it) with an absolute `__file__`."""
+    path = os.path.abspath(script)
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__cached__ = None
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    with io.open_code(path) as source:
+        code = compile(source.read(), path, "exec")
+    exec(code, main.__dict__)
+
+
+def _report_as_python_would(exc: BaseException) -> None:
+    """An uncaught exception of the script, shown and ending the process as `python script` would: the
+    traceback from the script's own frames, exit status 1, or death by SIGINT for a KeyboardInterrupt."""
+    traceback = exc.__traceback__
+    while traceback is not None and traceback.tb_frame.f_code.co_filename == __file__:
+        traceback = traceback.tb_next
+    sys.excepthook(type(exc), exc.with_traceback(traceback), traceback)
+    if isinstance(exc, KeyboardInterrupt):
+        sys.stdout.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        _report_as_python_would(exc)

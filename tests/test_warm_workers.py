@@ -1,0 +1,88 @@
+"""Warm workers: a pre-started interpreter becomes `python script.py args`, or is passed over for a cold start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from launcher.warm_workers import WarmPool
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPT = """\
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "file": __file__, "name": __name__,
+                  "torch": "torch" in sys.modules, "launcher": sorted(m for m in sys.modules if m.startswith("launcher")),
+                  "mode": os.environ["MODE"]}))
+print("to stderr", file=sys.stderr)
+if os.environ["MODE"] == "raise":
+    raise ValueError("bad batch")
+if os.environ["MODE"] == "interrupt":
+    raise KeyboardInterrupt
+sys.exit(int(os.environ["MODE"]))
+"""
+
+
+@pytest.fixture
+def pool():
+    warm = WarmPool(dict(os.environ, WARM_TEST="1"), nproc=1)
+    warm.fill()
+    yield warm
+    warm.close()
+
+
+def launch(pool: WarmPool, tmp_path, mode: str) -> tuple[int, str, str]:
+    script = tmp_path / "job" / "train.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(SCRIPT)
+    warm = pool.take(0, pool.env)
+    assert warm is not None
+    out, err = open(tmp_path / "out", "wb"), open(tmp_path / "err", "wb")
+    with out, err:
+        env = dict(pool.env, MODE=mode)
+        assert warm.launch(env, [str(script), "--lr", "0.1"], out.fileno(), err.fileno())
+    code = warm.process.wait(timeout=30)
+    return code, (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+
+
+def test_the_script_runs_as_python_would_run_it(pool, tmp_path):
+    code, out, err = launch(pool, tmp_path, "0")
+    seen = json.loads(out)
+    script = tmp_path / "job" / "train.py"
+    assert code == 0 and err == "to stderr\n"
+    assert seen == {"argv": [str(script), "--lr", "0.1"], "path0": str(script.parent), "file": str(script),
+                    "name": "__main__", "torch": True, "launcher": [], "mode": "0"}  # fmt: skip
+
+
+def test_exit_code_and_uncaught_exception_are_the_scripts(pool, tmp_path):
+    assert launch(pool, tmp_path, "7")[0] == 7
+    pool.fill()
+    code, _, err = launch(pool, tmp_path, "raise")
+    assert code == 1
+    assert err.startswith("to stderr\nTraceback (most recent call last):\n") and "ValueError: bad batch" in err
+    assert "warm_interpreter" not in err, "the traceback starts at the script, as a cold worker's does"
+    pool.fill()
+    code, _, err = launch(pool, tmp_path, "interrupt")
+    assert code == -signal.SIGINT and "KeyboardInterrupt" in err, "Python dies by SIGINT on an uncaught Ctrl-C"
+
+
+def test_a_different_environment_or_a_dead_interpreter_means_a_cold_start(pool):
+    assert pool.take(0, dict(pool.env, OMP_NUM_THREADS="7")) is None, "OpenMP read the old value at import"
+    assert pool.take(0, pool.env) is None, "passed over: nothing left for this rank until the next fill"
+    pool.fill()
+    warm = pool.take(0, pool.env)
+    os.kill(warm.process.pid, signal.SIGKILL)
+    warm.process.wait(timeout=10)
+    pool._workers[0] = warm  # as if it had died while waiting in the pool
+    assert pool.take(0, pool.env) is None
+
+
+def test_closing_the_pool_ends_idle_interpreters():
+    pool = WarmPool(dict(os.environ), nproc=2)
+    pool.fill()
+    processes = [w.process for w in pool._workers.values()]
+    pool.close()
+    assert all(p.poll() is not None for p in processes)
