@@ -124,8 +124,8 @@ class Agent:
         self.mirror: RangeMirror | None = None
         self.liveness: LivenessServer | None = None  # answers the controller's probes while this agent lives
         # the next round's workers, pre-started with torch imported (None: every worker starts cold)
-        self.warm = WarmPool(node_worker_env(self.addr, config.nproc_per_node), config.nproc_per_node) \
-            if config.starts_warm else None  # fmt: skip
+        self.warm = WarmPool(node_worker_env(self.addr, config.nproc_per_node), config.nproc_per_node,
+                             [config.entrypoint, *config.args]) if config.starts_warm else None  # fmt: skip
         self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
         self._controller: threading.Thread | None = None
         self._stop_controller = threading.Event()

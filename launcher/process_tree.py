@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.warm_interpreter import IDLE_NAME
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -172,8 +174,9 @@ def _is_supervisor(pid: int) -> bool:
 
 def child_pids(pid: int) -> list[int]:
     """The workers of `pid` (Linux /proc): its direct children, where a supervisor (`supervised_command`) stands
-    for the worker it runs, its first child (or itself, before the worker started). How a caller finds the
-    workers of an agent it started."""
+    for the worker it runs, its first child (or itself, before the worker started), and where warm interpreters
+    that wait for a round (`launcher.warm_workers`) are left out. How a caller finds the workers of an agent it
+    started."""
     processes = _living_processes(zombies=True)
     children: dict[int, list[int]] = {}
     for child, fields in processes.items():
@@ -184,8 +187,16 @@ def child_pids(pid: int) -> list[int]:
             # orphans adopted by the supervisor are its children too; the worker is the one that started first
             # (an exited worker not yet reaped included, so that no orphan is taken for it)
             child = min(children.get(child, ()), key=lambda p: (int(processes[p][19]), p), default=child)  # starttime
-        found.append(child)
+        if _process_name(child) != IDLE_NAME:
+            found.append(child)
     return found
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+    except OSError:
+        return ""
 
 
 # -- the supervisor, run as `python -I -S -c _SUPERVISE MARK ROOT PARENT_PID COMMAND...` ----------------------

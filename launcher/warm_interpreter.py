@@ -8,7 +8,8 @@ stdout/stderr on those descriptors, the round's environment, `sys.argv`, `sys.pa
 directory, the script run as `__main__`; its exit code and uncaught exception are the script's. The socket
 closing without a message (the agent is gone, or no round needs this interpreter) ends it with status 0.
 
-Run as a file, never imported by the worker: nothing of `launcher` stays in the script's `sys.modules`.
+Run as a file, never imported by the worker: nothing of `launcher` stays in the script's `sys.modules`. Its
+command line ends with the script and its arguments, so `ps` and `pgrep -f script.py` find the worker.
 """
 
 import builtins
@@ -23,6 +24,17 @@ import types
 
 CONTROL_FD_ENV = "ELASTIC_WARM_CONTROL_FD"
 MAX_LAUNCH_BYTES = 4 << 20
+# the process name (/proc/<pid>/comm) while it waits: how `launcher.process_tree.child_pids` tells a waiting
+# interpreter from a worker; a launched one takes back the interpreter's own name, as a cold worker has it
+IDLE_NAME = "elastic-warm"
+_PR_SET_NAME = 15
+
+
+def _set_process_name(name: bytes) -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name[:15])
 
 
 def _wait_for_launch(control: socket.socket) -> tuple[dict, list[int]] | None:
@@ -34,6 +46,8 @@ def _wait_for_launch(control: socket.socket) -> tuple[dict, list[int]] | None:
 
 def main() -> None:
     control = socket.socket(fileno=int(os.environ.pop(CONTROL_FD_ENV)))
+    own_name = _own_name()
+    _set_process_name(IDLE_NAME.encode())
     import torch  # noqa: F401  (the cost a warm worker pays before its round, not in it)
     import torch.distributed  # noqa: F401  (the part every elastic-run script uses)
 
@@ -48,7 +62,16 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(order["env"])
     sys.argv = list(order["argv"])
+    _set_process_name(own_name)
     _run_as_main(sys.argv[0])
+
+
+def _own_name() -> bytes:
+    try:
+        with open("/proc/self/comm", "rb") as comm:
+            return comm.read().rstrip(b"\n")
+    except OSError:
+        return b""
 
 
 def _run_as_main(script: str) -> None:

@@ -57,9 +57,10 @@ class WarmWorker:
 class WarmPool:
     """One warm interpreter per local rank for the next round; `take` hands one out, `fill` replaces it."""
 
-    def __init__(self, env: dict[str, str], nproc: int) -> None:
+    def __init__(self, env: dict[str, str], nproc: int, argv: list[str]) -> None:
         self.env = env
         self.nproc = nproc
+        self.argv = argv  # the script and its arguments: shown on the command line only, the launch carries them
         self._workers: dict[int, WarmWorker] = {}
 
     def fill(self) -> None:
@@ -87,7 +88,7 @@ class WarmPool:
     def _start(self) -> WarmWorker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(self.env, **{CONTROL_FD_ENV: str(theirs.fileno())})
-        command = supervised_command([sys.executable, "-u", _PROGRAM])
+        command = supervised_command([sys.executable, "-u", _PROGRAM, *self.argv])
         with theirs:
             process = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))  # fmt: skip

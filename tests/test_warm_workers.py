@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
+from launcher.process_tree import child_pids
+from launcher.warm_interpreter import IDLE_NAME
 from launcher.warm_workers import WarmPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,7 +32,7 @@ sys.exit(int(os.environ["MODE"]))
 
 @pytest.fixture
 def pool():
-    warm = WarmPool(dict(os.environ, WARM_TEST="1"), nproc=1)
+    warm = WarmPool(dict(os.environ, WARM_TEST="1"), nproc=1, argv=["train.py", "--lr", "0.1"])
     warm.fill()
     yield warm
     warm.close()
@@ -80,8 +84,21 @@ def test_a_different_environment_or_a_dead_interpreter_means_a_cold_start(pool):
     assert pool.take(0, pool.env) is None
 
 
+def test_waiting_interpreters_are_not_taken_for_workers(pool, tmp_path):
+    waiting = pool._workers[0].process.pid
+    deadline = time.monotonic() + 20
+    while not any(Path(f"/proc/{p}/comm").read_text().strip() == IDLE_NAME for p in _children(waiting)):
+        assert time.monotonic() < deadline, "the interpreter names itself as waiting"
+        time.sleep(0.05)
+    assert waiting not in child_pids(os.getpid()) and not set(_children(waiting)) & set(child_pids(os.getpid()))
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def test_closing_the_pool_ends_idle_interpreters():
-    pool = WarmPool(dict(os.environ), nproc=2)
+    pool = WarmPool(dict(os.environ), nproc=2, argv=["train.py"])
     pool.fill()
     processes = [w.process for w in pool._workers.values()]
     pool.close()
