@@ -16,8 +16,11 @@ from pydantic import ValidationError
 from launcher import etcd_client
 from launcher.config import (
     IGNORED_RDZV_CONF_KEYS,
+    SECURITY_RDZV_CONF_KEYS,
+    EtcdSecurity,
     LaunchConfig,
     RendezvousSettings,
+    one_line,
     parse_nnodes,
     parse_nproc_per_node,
     parse_rdzv_conf,
@@ -77,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rdzv-id", dest="rdzv_id", default=None, help="job id: every agent of one job passes the same")
     add("--rdzv-conf", dest="rdzv_conf", default="", help="k=v,... keep_alive_interval, keep_alive_max_attempt, "
         "join_timeout, last_call_timeout, close_timeout, max_events, quarantine_after, quarantine_cooldown, "
-        "probe_timeout")  # fmt: skip
+        "probe_timeout; for a secured etcd: cacert, cert, key, user (password from ELASTIC_ETCD_PASSWORD)")  # fmt: skip
     add("--standalone", dest="standalone", action="store_true", help="run a private etcd on free loopback ports")
     add("--max-restarts", dest="max_restarts", default="0", help="worker failures tolerated, job-wide (default 0)")
     add("--monitor-interval", dest="monitor_interval", default="0.1", help="seconds between worker checks")
@@ -136,6 +139,16 @@ def comma_separated(value: str | list[str]) -> list[str]:
     return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",") if item]
 
 
+def rendezvous_conf(conf: dict[str, str]) -> tuple[RendezvousSettings, EtcdSecurity]:
+    """A parsed --rdzv-conf as timings and etcd security; raises ValueError or ValidationError."""
+    known = [*RendezvousSettings.model_fields, *SECURITY_RDZV_CONF_KEYS]
+    unknown = set(conf) - set(known) - IGNORED_RDZV_CONF_KEYS
+    if unknown:
+        raise ValueError(f"unknown --rdzv-conf key(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    timings = {k: v for k, v in conf.items() if k in RendezvousSettings.model_fields}
+    return RendezvousSettings(**timings), EtcdSecurity.from_conf(conf, os.environ)
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Turn parsed flags into a validated LaunchConfig, or raise ConfigError with one line."""
     for flag, why in UNSUPPORTED_FLAGS.items():
@@ -151,11 +164,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
         nproc = parse_nproc_per_node(str(args.nproc_per_node))
         conf = parse_rdzv_conf(args.rdzv_conf)
-        unknown = set(conf) - set(RendezvousSettings.model_fields) - IGNORED_RDZV_CONF_KEYS
-        if unknown:
-            raise ValueError(f"unknown --rdzv-conf key(s) {', '.join(sorted(unknown))}; known: "
-                             f"{', '.join(RendezvousSettings.model_fields)}")  # fmt: skip
-        rdzv = RendezvousSettings(**{k: v for k, v in conf.items() if k not in IGNORED_RDZV_CONF_KEYS})
+        rdzv, security = rendezvous_conf(conf)
         redirects = parse_std_spec(args.redirects, "redirects")
         tee = parse_std_spec(args.tee, "tee")
         ranks_filter = {int(r) for r in args.local_ranks_filter.split(",") if r.strip()} or None
@@ -171,7 +180,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 raise ValueError(f"bad --{name.replace('_', '-')} {getattr(args, name)!r}: expected positive "
                                  "seconds") from None  # fmt: skip
     except ValidationError as exc:
-        raise ConfigError(_one_line(exc, prefix="--rdzv-conf ")) from None
+        raise ConfigError(one_line(exc, prefix="--rdzv-conf ")) from None
     except KeyError as exc:
         raise ConfigError(f"bad --signals-to-handle: unknown signal {exc}") from None
     except ValueError as exc:
@@ -183,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     rdzv_id = args.rdzv_id or (uuid.uuid4().hex[:12] if args.standalone else "none")
     fields = dict(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=rdzv_id, rdzv=rdzv, standalone=args.standalone, max_restarts=args.max_restarts,
+        rdzv_id=rdzv_id, rdzv=rdzv, etcd_security=security, standalone=args.standalone, max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval, worker_stop_timeout=args.shutdown_timeout, log_dir=args.log_dir,
         duplicate_stdout_filters=comma_separated(args.duplicate_stdout_filters),
         duplicate_stderr_filters=comma_separated(args.duplicate_stderr_filters),
@@ -196,15 +205,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     try:
         return LaunchConfig(**fields)
     except ValidationError as exc:
-        raise ConfigError(_one_line(exc)) from None
-
-
-def _one_line(exc: ValidationError, prefix: str = "") -> str:
-    error = exc.errors()[0]
-    where = ".".join(str(part) for part in error["loc"])
-    message = error["msg"].removeprefix("Value error, ")
-    flag = f"{prefix}{where}" if where else prefix.strip()
-    return f"{flag}: {message}" if flag else message
+        raise ConfigError(one_line(exc)) from None
 
 
 def _setup_logging(node_id: str) -> None:
@@ -217,6 +218,7 @@ def _setup_logging(node_id: str) -> None:
 def run(config: LaunchConfig) -> int:
     from launcher.agent import Agent
     from launcher.etcd_server import EtcdServer
+    from launcher.protocol import JobStore
 
     server = None
     try:
@@ -224,11 +226,17 @@ def run(config: LaunchConfig) -> int:
             server = EtcdServer().start()
             config = config.model_copy(update={"rdzv_endpoint": server.endpoint})
             logger.info("standalone: private etcd at %s, job id %s", server.endpoint, config.rdzv_id)
-        client = etcd_client.connect(config.rdzv_endpoint)
         try:
-            etcd_client.check_reachable(client, config.rdzv_endpoint)
+            client = etcd_client.connect_reachable(config.rdzv_endpoint, config.etcd_security)
         except etcd_client.EtcdUnreachable as exc:
             print(f"elastic-run: error: {exc}", file=sys.stderr)
+            return 1
+        try:
+            JobStore(client, config.rdzv_id).check_access()
+        except Exception as exc:
+            etcd_client.close(client)
+            print(f"elastic-run: error: {etcd_client.explain(exc, config.rdzv_endpoint, config.etcd_security)}",
+                  file=sys.stderr)  # fmt: skip
             return 1
         if config.log_dir is None:  # like torchrun: a fresh temp dir, created only once the job can start
             config = config.model_copy(update={"log_dir": Path(tempfile.mkdtemp(prefix=f"elastic_{config.rdzv_id}_"))})

@@ -6,11 +6,21 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from enum import IntEnum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FilePath,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class Std(IntEnum):
@@ -50,6 +60,45 @@ class RendezvousSettings(BaseModel):
         return max(1, int(-(-self.keep_alive_interval * self.keep_alive_max_attempt // 1)))
 
 
+PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
+
+
+class EtcdSecurity(BaseModel):
+    """How to reach an etcd that wants TLS or a login (--rdzv-conf cacert, cert, key, user; the password only
+    from ELASTIC_ETCD_PASSWORD, never on a command line, where `ps` shows it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cacert: FilePath | None = Field(None, description="CA bundle that signed etcd's server certificate (TLS)")
+    cert: FilePath | None = Field(None, description="client certificate, for etcd --client-cert-auth")
+    key: FilePath | None = Field(None, description="the client certificate's private key")
+    user: str | None = Field(None, min_length=1, description=f"etcd user (auth enabled); password from {PASSWORD_ENV}")
+    password: SecretStr | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> "EtcdSecurity":
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together: pass both (cert=PATH,key=PATH) or neither")
+        if self.user is not None and self.password is None:
+            raise ValueError(f"user={self.user} needs its password in the environment variable {PASSWORD_ENV}")
+        if self.user is None and self.password is not None:
+            raise ValueError(f"{PASSWORD_ENV} is set but no user: add user=NAME to --rdzv-conf, or unset it")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.cacert is not None or self.cert is not None
+
+    @classmethod
+    def from_conf(cls, conf: dict[str, str], environ: Mapping[str, str]) -> "EtcdSecurity":
+        """The security keys of a parsed --rdzv-conf, with the password from `environ`."""
+        fields = {key: conf[key] for key in SECURITY_RDZV_CONF_KEYS if key in conf}
+        if environ.get(PASSWORD_ENV):
+            fields["password"] = environ[PASSWORD_ENV]
+        return cls(**fields)
+
+
+SECURITY_RDZV_CONF_KEYS = ("cacert", "cert", "key", "user")
 # rdzv-conf keys torchrun accepts that mean nothing for an etcd v3 rendezvous; accepted so torchrun command lines run.
 IGNORED_RDZV_CONF_KEYS = {"is_host", "timeout", "read_timeout", "use_libuv", "store_type"}
 
@@ -63,6 +112,24 @@ def parse_rdzv_conf(spec: str) -> dict[str, str]:
             raise ValueError(f"malformed --rdzv-conf item {item!r}: expected key=value[,key=value...]")
         conf[key.strip()] = value.strip()
     return conf
+
+
+def one_line(exc: ValidationError, prefix: str = "") -> str:
+    """The first problem pydantic found, as `<prefix><field>: <message>`."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    flag = f"{prefix}{where}" if where else prefix.strip()
+    return f"{flag}: {message}" if flag else message
+
+
+def security_from_rdzv_conf(spec: str, environ: Mapping[str, str]) -> EtcdSecurity:
+    """The etcd security keys of an --rdzv-conf (for `elastic-run log` and `purge`: timings do not matter
+    there); raises ValueError in one line."""
+    try:
+        return EtcdSecurity.from_conf(parse_rdzv_conf(spec), environ)
+    except ValidationError as exc:
+        raise ValueError(one_line(exc, prefix="--rdzv-conf ")) from None
 
 
 def parse_nnodes(spec: str) -> tuple[int, int]:
@@ -127,6 +194,7 @@ class LaunchConfig(BaseModel):
     rdzv_endpoint: str = ""
     rdzv_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     rdzv: RendezvousSettings = RendezvousSettings()
+    etcd_security: EtcdSecurity = EtcdSecurity()
     standalone: bool = False
     max_restarts: int = Field(0, ge=0)
     monitor_interval: float = Field(0.1, gt=0)
@@ -162,6 +230,9 @@ class LaunchConfig(BaseModel):
             raise ValueError("--standalone starts its own etcd: drop --rdzv-endpoint, or drop --standalone")
         if not self.standalone and not self.rdzv_endpoint:
             raise ValueError("no etcd to rendezvous on: pass --rdzv-endpoint host:port, or --standalone")
+        if self.standalone and self.etcd_security != EtcdSecurity():
+            raise ValueError("--standalone runs a private etcd without TLS or login: drop cacert, cert, key and user "
+                             "from --rdzv-conf")  # fmt: skip
         if self.module and self.no_python:
             raise ValueError("-m/--module and --no-python exclude each other")
         return self

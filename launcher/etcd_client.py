@@ -6,10 +6,13 @@ import logging
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import grpc
 import tenacity
+
+from launcher.config import PASSWORD_ENV, EtcdSecurity
 
 try:  # etcd-sdk-python: the maintained, API-identical fork of python-etcd3
     import pyetcd as etcd3
@@ -17,13 +20,13 @@ try:  # etcd-sdk-python: the maintained, API-identical fork of python-etcd3
     from pyetcd import events as etcd_events
     from pyetcd import exceptions as etcd_exceptions
     from pyetcd import watch as etcd_watch
-    from pyetcd.client import _EXCEPTIONS_BY_CODE, _FAILED_EP_CODES
+    from pyetcd.client import _EXCEPTIONS_BY_CODE, _FAILED_EP_CODES, EtcdTokenCallCredentials
 except ImportError:  # pragma: no cover - exercised only where python-etcd3 is what is installed
     import etcd3  # type: ignore[no-redef]
     from etcd3 import etcdrpc  # type: ignore[no-redef]
     from etcd3 import events as etcd_events  # type: ignore[no-redef]
     from etcd3 import watch as etcd_watch  # type: ignore[no-redef]
-    from etcd3.client import _EXCEPTIONS_BY_CODE, _FAILED_EP_CODES  # type: ignore[no-redef]
+    from etcd3.client import _EXCEPTIONS_BY_CODE, _FAILED_EP_CODES, EtcdTokenCallCredentials  # type: ignore[no-redef]
     from etcd3 import exceptions as etcd_exceptions  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
@@ -109,7 +112,26 @@ class _CancellingWatcher(etcd_watch.Watcher):
 
 class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
     """Fails over as soon as a call fails, to the endpoint that failed least recently: a silently dead member is
-    not tried again while another one has not failed, and no call is refused for want of an unfailed endpoint."""
+    not tried again while another one has not failed, and no call is refused for want of an unfailed endpoint.
+    Logged in, it logs in again when etcd no longer knows its token (expired while only keep-alives flowed)."""
+
+    def __init__(self, *, user: str | None = None, password: str | None = None, **kwargs) -> None:
+        self._login = (user, password) if user is not None else None
+        super().__init__(user=user, password=password, **kwargs)
+        self._drop_call_credentials_without_tls()
+
+    def _drop_call_credentials_without_tls(self) -> None:
+        # gRPC sends call credentials only over TLS; the token travels in each call's metadata either way
+        if not any(endpoint.secure for endpoint in self.endpoints.values()):
+            self.call_credentials = None
+
+    def _log_in_again(self) -> None:
+        user, password = self._login
+        answer = self.authstub.Authenticate(etcdrpc.AuthenticateRequest(name=user, password=password), self.timeout)
+        self.metadata = (("token", answer.token),)
+        self.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(answer.token))
+        self._drop_call_credentials_without_tls()
+        self._clear_old_stubs()  # the watcher holds the old token: its watches resume with the new one
 
     def get_watcher(self):
         return _CancellingWatcher(etcdrpc.WatchStub(self.channel), timeout=self.timeout,
@@ -121,6 +143,10 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
 
     def _manage_grpc_errors(self, exc):
         code = exc.code()
+        if code is grpc.StatusCode.UNAUTHENTICATED and self._login is not None and "token" in (exc.details() or ""):
+            logger.info("etcd no longer knows our login token (%s); logging in again", exc.details())
+            self._log_in_again()
+            raise etcd_exceptions.ConnectionFailedError() from exc  # transient: call_with_retry repeats the call
         if code in _FAILED_EP_CODES and len(self.endpoints) > 1:
             failed = self._current_endpoint_label
             self.endpoints[failed].last_failed = time.monotonic()
@@ -145,13 +171,25 @@ def refresh_lease(lease, timeout: float):
         client._manage_grpc_errors(exc)
 
 
-def connect(spec: str, timeout: float = 3.0) -> EtcdClient:
-    """A client for the endpoints in `spec` that fails over between them and recovers within a second."""
+def connect(spec: str, timeout: float = 3.0, security: EtcdSecurity | None = None) -> EtcdClient:
+    """A client for the endpoints in `spec` that fails over between them and recovers within a second; over TLS
+    and logged in as `security` says. Logging in is a call: it raises what `connect_reachable` explains."""
+    security = security or EtcdSecurity()
+    credentials = _tls_credentials(security) if security.tls else None
     endpoints = [
-        etcd3.Endpoint(host, port, secure=False, opts=_GRPC_OPTIONS)
+        etcd3.Endpoint(host, port, secure=security.tls, creds=credentials, opts=_GRPC_OPTIONS)
         for host, port in parse_endpoints(spec)
     ]
-    return _FailoverClient(endpoints=endpoints, timeout=timeout, failover=True)
+    password = security.password.get_secret_value() if security.password is not None else None
+    return _FailoverClient(endpoints=endpoints, timeout=timeout, failover=True, user=security.user, password=password)
+
+
+def _tls_credentials(security: EtcdSecurity) -> grpc.ChannelCredentials:
+    def read(path: Path | None) -> bytes | None:
+        return path.read_bytes() if path is not None else None
+
+    return grpc.ssl_channel_credentials(root_certificates=read(security.cacert), private_key=read(security.key),
+                                        certificate_chain=read(security.cert))  # fmt: skip
 
 
 def close(client: EtcdClient, timeout_s: float = 2.0) -> None:
@@ -161,15 +199,47 @@ def close(client: EtcdClient, timeout_s: float = 2.0) -> None:
     closer.join(timeout=timeout_s)
 
 
-def check_reachable(client: EtcdClient, spec: str, deadline_s: float = 5.0) -> None:
+def check_reachable(client: EtcdClient, spec: str, security: EtcdSecurity | None = None,
+                    deadline_s: float = 5.0) -> None:  # fmt: skip
     """Raise EtcdUnreachable naming `spec` unless an etcd v3 server answers within `deadline_s`."""
     try:
         call_with_retry(client.status, deadline_s=deadline_s)
     except Exception as exc:  # grpc and the client raise a zoo of types for "not etcd" and "not there"
-        raise EtcdUnreachable(
-            f"cannot reach an etcd v3 server at {spec} ({type(exc).__name__}: {exc or 'no answer'}); "
-            "start etcd there, fix --rdzv-endpoint, or use --standalone"
-        ) from exc
+        raise explain(exc, spec, security) from exc
+
+
+def explain(exc: BaseException, spec: str, security: EtcdSecurity | None = None) -> EtcdUnreachable:
+    """What went wrong reaching etcd at `spec`, in one line that names the fix."""
+    security = security or EtcdSecurity()
+    detail = _detail(exc)
+    code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
+    lowered = detail.lower()
+    if any(word in lowered for word in ("ssl", "handshake", "certificate", "tls")) or (
+            security.tls and code is grpc.StatusCode.UNAVAILABLE and "connection refused" not in lowered):
+        return EtcdUnreachable(f"TLS with etcd at {spec} failed ({detail}); check --rdzv-conf cacert (the CA that "
+                               "signed etcd's certificate) and cert/key (a client certificate that CA signed)")
+    if "authentication failed" in lowered or "invalid user id or password" in lowered:
+        return EtcdUnreachable(f"etcd at {spec} refused the login of user {security.user}: wrong user name or "
+                               f"password (--rdzv-conf user=NAME, password in {PASSWORD_ENV})")
+    if "authentication is not enabled" in lowered:
+        return EtcdUnreachable(f"etcd at {spec} has authentication off: drop user= from --rdzv-conf and unset "
+                               f"{PASSWORD_ENV}")
+    if "user name is empty" in lowered or "user name not found" in lowered or code is grpc.StatusCode.UNAUTHENTICATED:
+        return EtcdUnreachable(f"etcd at {spec} wants a login ({detail}): pass --rdzv-conf user=NAME with the "
+                               f"password in {PASSWORD_ENV}")
+    if "permission denied" in lowered or code is grpc.StatusCode.PERMISSION_DENIED:
+        return EtcdUnreachable(f"etcd at {spec}: user {security.user} has no right to what elastic-run needs "
+                               f"({detail}); grant its role readwrite on the prefix /elastic/ or /elastic/<rdzv-id>/")
+    return EtcdUnreachable(f"cannot reach an etcd v3 server at {spec} ({type(exc).__name__}: {detail or 'no answer'}); "
+                           "start etcd there, fix --rdzv-endpoint, or use --standalone")
+
+
+def _detail(exc: BaseException) -> str:
+    while exc.__cause__ is not None and not isinstance(exc, grpc.RpcError):
+        exc = exc.__cause__
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "details"):
+        return exc.details() or exc.code().name
+    return str(exc)
 
 
 # gRPC codes that mean "no answer this time": the server is down, restarting, electing a leader or overloaded.
@@ -186,11 +256,14 @@ _TRANSIENT_CODES = {
 _FAILED_ENDPOINT_TEXT = "Trying to use a failed node"
 
 
-def connect_reachable(spec: str) -> EtcdClient:
+def connect_reachable(spec: str, security: EtcdSecurity | None = None) -> EtcdClient:
     """A client for `spec` once an etcd answered there; raises ValueError (bad spec) or EtcdUnreachable."""
-    client = connect(spec)
     try:
-        check_reachable(client, spec)
+        client = connect(spec, security=security)
+    except grpc.RpcError as exc:  # logging in failed
+        raise explain(exc, spec, security) from exc
+    try:
+        check_reachable(client, spec, security)
     except EtcdUnreachable:
         client.close()
         raise

@@ -10,9 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import etcd_client
+from launcher.config import EtcdSecurity
 from launcher.process_tree import orphan_safe_command
 
 logger = logging.getLogger(__name__)
@@ -40,11 +42,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """TLS for etcd's client port: its certificate and key, and the CA whose client certificates it requires."""
+
+    cert: Path
+    key: Path
+    client_ca: Path
+
+
 class EtcdServer:
     """One etcd member on 127.0.0.1 with its own data directory, removed on stop."""
 
-    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", tls: ServerTls | None = None,
+                 ready_check: EtcdSecurity | None = None, flags: tuple[str, ...] = ()) -> None:  # fmt: skip
+        """`ready_check`: how a client that can reach a TLS etcd connects (start waits until one answers);
+        `flags`: more etcd flags."""
         self.host = host
+        self.flags = flags
+        self.tls = tls
+        self.ready_check = ready_check
         self._own_data_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="elastic-etcd-")
         self.client_port = free_port(host)
@@ -56,7 +73,7 @@ class EtcdServer:
         return f"{self.host}:{self.client_port}"
 
     def start(self, timeout_s: float = 20.0) -> "EtcdServer":
-        client_url = f"http://{self.host}:{self.client_port}"
+        client_url = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         command = [
             find_etcd_binary(),
@@ -68,7 +85,11 @@ class EtcdServer:
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"elastic={peer_url}",
             "--log-level", "error",
+            *self.flags,
         ]  # fmt: skip
+        if self.tls is not None:
+            command += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key), "--client-cert-auth",
+                        "--trusted-ca-file", str(self.tls.client_ca)]  # fmt: skip
         os.makedirs(self.data_dir, exist_ok=True)
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
         # The server dies with whoever started it, even on SIGKILL, so no test or agent leaks an etcd; its own
@@ -81,7 +102,7 @@ class EtcdServer:
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
-        client = etcd_client.connect(self.endpoint, timeout=1.0)
+        client = etcd_client.connect(self.endpoint, timeout=1.0, security=self.ready_check)
         deadline = time.monotonic() + timeout_s
         try:
             while True:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 from launcher import etcd_client, membership_log
+from launcher.config import security_from_rdzv_conf
 from launcher.membership_log import MembershipEvent
 from launcher.protocol import JobKeys
 
@@ -17,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--rdzv-endpoint", "--rdzv_endpoint", help="etcd host:port of the job")
     source.add_argument("--file", type=Path, help="a membership.jsonl from an agent's --log-dir instead of etcd")
+    parser.add_argument("--rdzv-conf", "--rdzv_conf", default="",
+                        help="the job's --rdzv-conf: its cacert, cert, key and user reach a secured etcd (password "
+                             "from ELASTIC_ETCD_PASSWORD); other keys are ignored")  # fmt: skip
     parser.add_argument("--rdzv-id", "--rdzv_id", help="the job id (required with --rdzv-endpoint)")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     parser.add_argument("--follow", "-f", action="store_true", help="keep printing events as they arrive")
@@ -57,7 +62,8 @@ def _from_etcd(args: argparse.Namespace) -> int:
         print("elastic-run log: error: --rdzv-id is required with --rdzv-endpoint", file=sys.stderr)
         return 2
     try:
-        client = etcd_client.connect_reachable(args.rdzv_endpoint)
+        client = etcd_client.connect_reachable(args.rdzv_endpoint,
+                                               security_from_rdzv_conf(args.rdzv_conf, os.environ))
     except (ValueError, etcd_client.EtcdUnreachable) as exc:
         print(f"elastic-run log: error: {exc}", file=sys.stderr)
         return 1

@@ -380,6 +380,14 @@ class JobStore:
         return excess
 
     # -- whole job -------------------------------------------------------------------------------------------
+    def check_access(self) -> None:
+        """Read and write under the job's prefix once, so that an etcd user without the rights fails now, in one
+        line, not halfway through a rendezvous. Raises what the client raises."""
+        probe = f"{self.keys.prefix}access-check/{uuid.uuid4().hex}"
+        etcd_client.call_with_retry(self.client.get, self.keys.controller, deadline_s=5)
+        etcd_client.call_with_retry(self.client.put, probe, "", deadline_s=5)
+        etcd_client.call_with_retry(self.client.delete, probe, deadline_s=5)
+
     def read_status(self) -> JobStatus | None:
         raw, _ = etcd_client.call_with_retry(self.client.get, self.keys.status)
         return JobStatus.loads(raw) if raw is not None else None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from launcher import etcd_client
+from launcher.config import security_from_rdzv_conf
 from launcher.protocol import JobStore
 
 
@@ -13,6 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-run purge",
                                      description="Delete every etcd key of a job that has finished or failed.")  # fmt: skip
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="etcd host:port of the job")
+    parser.add_argument("--rdzv-conf", "--rdzv_conf", default="",
+                        help="the job's --rdzv-conf: its cacert, cert, key and user reach a secured etcd (password "
+                             "from ELASTIC_ETCD_PASSWORD); other keys are ignored")  # fmt: skip
     parser.add_argument("--rdzv-id", "--rdzv_id", required=True, help="the job id")
     parser.add_argument("--force", action="store_true",
                         help="also purge a job without a final status whose agents are all gone (a crashed job)")  # fmt: skip
@@ -22,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        client = etcd_client.connect_reachable(args.rdzv_endpoint)
+        client = etcd_client.connect_reachable(args.rdzv_endpoint,
+                                               security_from_rdzv_conf(args.rdzv_conf, os.environ))
     except (ValueError, etcd_client.EtcdUnreachable) as exc:
         print(f"elastic-run purge: error: {exc}", file=sys.stderr)
         return 1
