@@ -32,12 +32,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 try:
     from elastic import heartbeat, long_operation
     from elastic.checkpoint import CheckpointManager, ModelState
+    from elastic.devices import BackendChoice, DeviceChoice, PlacementError, placement_here
     from elastic.rng import derive_seed, per_sample_dropout, sample_generator, seed_all
     from elastic.sampling import ElasticSampler, MicroBatch, SamplingConfig
     from elastic.schedule import GlobalStepLR, WarmupCosineConfig, warmup_cosine
@@ -79,6 +81,8 @@ class TrainConfig(BaseModel):
     d_model: int = Field(64, gt=0, description="width of the residual stream")
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="per-sample dropout on embeddings and residual branches")
     corpus_chars: int = Field(200_000, gt=0, description="size of the generated text corpus")
+    device: DeviceChoice = Field("auto", description="auto (cuda:LOCAL_RANK where CUDA is present, else cpu), cpu or cuda")
+    backend: BackendChoice = Field("auto", description="process-group backend: auto (nccl on CUDA, gloo on cpu), gloo or nccl")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -122,7 +126,9 @@ def _flag_error(detail: dict) -> str:
 
 
 def _flag_type(annotation: object) -> type:
-    """int for `int | None`: argparse converts to the non-None member of an optional field."""
+    """int for `int | None`: argparse converts to the non-None member of an optional field; str for a choice."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return str
     if isinstance(annotation, types.UnionType):
         return next(member for member in typing.get_args(annotation) if member is not type(None))
     return annotation
@@ -220,18 +226,19 @@ class GPT(nn.Module):
         return self.head(self.final_norm(x))
 
 
-def shard(model: GPT) -> None:
+def shard(model: GPT, mesh: DeviceMesh) -> None:
     """FSDP2: one unit per block, the root holds the embeddings and the head."""
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 # --- one training step ------------------------------------------------------------------------
 
 
 def train_step(
-    model: GPT, plan: list[MicroBatch], batches: Iterator[tuple[torch.Tensor, torch.Tensor]], seed: int, step: int
+    model: GPT, plan: list[MicroBatch], batches: Iterator[tuple[torch.Tensor, torch.Tensor]], seed: int, step: int,
+    device: torch.device,
 ) -> tuple[float, list[int]]:
     """Forward/backward every pass of this rank's share; returns the share's summed loss and its samples.
 
@@ -241,7 +248,7 @@ def train_step(
     loss_sum = 0.0
     samples: list[int] = []
     for micro_batch in plan:
-        tokens, targets = next(batches)
+        tokens, targets = (t.to(device, non_blocking=True) for t in next(batches))
         generators = [sample_generator(seed, step, index) for index in micro_batch.indices]
         logits = model(tokens, generators)
         token_losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
@@ -264,15 +271,20 @@ def append_sample_log(path: Path, record: dict) -> None:
 
 @record  # an uncaught exception lands in TORCHELASTIC_ERROR_FILE: the launcher's failure summary shows it
 def main(config: TrainConfig) -> None:
-    dist.init_process_group("gloo")
+    try:
+        placement = placement_here(config.device, config.backend)
+    except PlacementError as error:
+        sys.exit(f"train.py: {error}")
+    device = placement.device
+    dist.init_process_group(placement.backend, device_id=device if device.type == "cuda" else None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     round_number = int(os.environ.get("ELASTIC_ROUND", "0"))
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
 
     dataset = CharWindows(generate_corpus(config.corpus_chars), config.seq_len)
     torch.manual_seed(config.seed)  # the same initial weights on every rank, before sharding
-    model = GPT(config, vocab_size=len(dataset.vocab))
-    shard(model)
+    model = GPT(config, vocab_size=len(dataset.vocab)).to(device)
+    shard(model, init_device_mesh(device.type, (world_size,)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = config.warmup_steps if config.warmup_steps is not None else config.steps // 10
     schedule = GlobalStepLR(optimizer, warmup_cosine(WarmupCosineConfig(total_steps=config.steps, warmup_steps=warmup)))
@@ -301,18 +313,19 @@ def main(config: TrainConfig) -> None:
         )
 
     seed = sampler.config.seed  # a resumed run keeps the checkpointed seed, whatever --seed says
-    batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers))
+    batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers,
+                              pin_memory=device.type == "cuda"))  # fmt: skip
     for step in range(start + 1, config.steps + 1):
         started = time.perf_counter()
         seed_all(derive_seed(seed, step))  # global RNG state is a function of the step, never checkpointed
         lr = schedule.current_lrs()[0]
-        loss_sum, samples = train_step(model, sampler.step_plan(), batches, seed, step)
+        loss_sum, samples = train_step(model, sampler.step_plan(), batches, seed, step, device)
         optimizer.step()
         optimizer.zero_grad()
         schedule.advance()
         sampler.complete_step()
 
-        total = torch.tensor([loss_sum], dtype=torch.float64)
+        total = torch.tensor([loss_sum], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         loss = total.item() / config.global_batch
         if config.sample_log:

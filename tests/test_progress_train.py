@@ -239,6 +239,8 @@ def test_inconsistent_flags_fail_before_any_process_group_starts() -> None:
         (["--global-batch", "8", "--micro-batch", "16"], "--micro-batch (16) is larger than --global-batch (8)"),
         (["--corpus-chars", "10", "--seq-len", "64"], "--corpus-chars (10) must exceed --seq-len (64)"),
         (["--global-batch", "0"], "--global-batch: Input should be greater than 0"),
+        (["--device", "gpu"], "--device: Input should be 'auto', 'cpu' or 'cuda'"),
+        (["--backend", "mpi"], "--backend: Input should be 'auto', 'gloo' or 'nccl'"),
     ],
 )
 def test_each_bad_flag_is_one_line_and_exit_2(flags: list[str], message: str) -> None:
@@ -246,3 +248,18 @@ def test_each_bad_flag_is_one_line_and_exit_2(flags: list[str], message: str) ->
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert lines[0].startswith("train.py: error: ") and message in lines[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--device", "cuda"], "train.py: --device cuda: no CUDA device is visible here; pass --device cpu (or auto)"),
+        (["--backend", "nccl"], "train.py: --backend nccl needs CUDA tensors: pass --backend gloo (or auto) for "
+                                "--device cpu"),
+    ],
+)
+def test_a_device_or_backend_this_machine_lacks_is_one_line_before_any_process_group(flags, message) -> None:
+    result = subprocess.run([sys.executable, str(TRAIN), *flags], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 1 and result.stderr.strip() == message

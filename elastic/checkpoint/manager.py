@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,7 +88,11 @@ class CheckpointManager:
         self._drains = Drains(Ranks.dedicated(None).group)
         self._drain = 0  # the drain the next save answers
         # One stager for the manager's life: it reuses its CPU copies, so staging after the first save is a memcpy.
-        self._stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
+        # With CUDA, the copies are pinned and filled by non-blocking copies (synchronised before the write).
+        on_gpu = torch.cuda.is_available()
+        options = StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
+                                 use_non_blocking_copy=on_gpu)  # fmt: skip
+        self._stager = DefaultStager(options) if async_save else None
         self._in_flight: _SaveInFlight | None = None
         self._closed = False
         self._seen_at_load: set[str] | None = None  # commits load_latest listed; a claim admits only these
