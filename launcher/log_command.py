@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import etcd_client, membership_log
+from launcher import etcd_client, membership_log, timeline
 from launcher.config import security_from_rdzv_conf
 from launcher.membership_log import MembershipEvent
 from launcher.protocol import JobKeys
@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     parser.add_argument("--follow", "-f", action="store_true", help="keep printing events as they arrive")
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between polls with --follow")
+    parser.add_argument("--plot", type=Path, metavar="FILE.svg",
+                        help="write the log as a timeline picture (SVG: a lane per node, rounds as bars, events as "
+                             "marks) instead of printing it")  # fmt: skip
     return parser
 
 
@@ -39,10 +42,25 @@ def _print(events: list[MembershipEvent], as_json: bool, header: bool) -> None:
     print(text, flush=True)
 
 
+def _plot(events: list[MembershipEvent], path: Path, title: str) -> int:
+    try:
+        path.write_text(timeline.render_svg(events, title))
+    except (OSError, ValueError) as exc:
+        print(f"elastic-run log: error: cannot plot to {path}: {exc}", file=sys.stderr)
+        return 1
+    rounds = len(timeline.round_spans(events))
+    nodes = len({e.node for e in events if e.node} | {m["node"] for e in events for m in e.members or ()})
+    print(f"wrote {path}: {len(events)} events, {rounds} rounds, {nodes} nodes")
+    return 0
+
+
 def _from_file(path: Path, args: argparse.Namespace) -> int:
     if not path.is_file():
         print(f"elastic-run log: error: no membership log at {path}", file=sys.stderr)
         return 2
+    if args.plot is not None:
+        events = [MembershipEvent.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+        return _plot(events, args.plot, f"membership log {path}")
     offset, header = 0, True
     while True:
         with open(path) as file:
@@ -74,6 +92,8 @@ def _from_etcd(args: argparse.Namespace) -> int:
             print(f"elastic-run log: error: no events for job {args.rdzv_id!r} at {args.rdzv_endpoint} "
                   "(check --rdzv-id)", file=sys.stderr)  # fmt: skip
             return 1
+        if args.plot is not None:
+            return _plot(events, args.plot, f"job {args.rdzv_id} ({args.rdzv_endpoint})")
         while True:
             _print(events, args.json, header)
             if events:
@@ -89,7 +109,10 @@ def _from_etcd(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.plot is not None and (args.follow or args.json):
+        parser.error("--plot draws the log once: drop --follow and --json")
     if args.file is not None:
         return _from_file(args.file, args)
     return _from_etcd(args)
