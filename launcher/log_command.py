@@ -26,9 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     parser.add_argument("--follow", "-f", action="store_true", help="keep printing events as they arrive")
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between polls with --follow")
-    parser.add_argument("--plot", type=Path, metavar="FILE.svg",
-                        help="write the log as a timeline picture (SVG: a lane per node, rounds as bars, events as "
-                             "marks) instead of printing it")  # fmt: skip
+    parser.add_argument("--plot", type=Path, metavar="timeline.png",
+                        help="draw the log instead of printing it: world size over time, rounds shaded, events "
+                             "marked (png, svg or pdf by the extension; needs the plot extra, matplotlib)")  # fmt: skip
     return parser
 
 
@@ -44,7 +44,10 @@ def _print(events: list[MembershipEvent], as_json: bool, header: bool) -> None:
 
 def _plot(events: list[MembershipEvent], path: Path, title: str) -> int:
     try:
-        path.write_text(timeline.render_svg(events, title))
+        timeline.draw(events, title, path)
+    except ImportError as exc:
+        print(f"elastic-run log: error: {exc}", file=sys.stderr)
+        return 1
     except (OSError, ValueError) as exc:
         print(f"elastic-run log: error: cannot plot to {path}: {exc}", file=sys.stderr)
         return 1

@@ -1,34 +1,28 @@
-"""A job's membership log as a timeline picture (SVG): one lane per node, its rounds as bars, its events as marks.
+"""A job's membership log as a timeline picture: world size over time, each round shaded, each event marked.
 
-What `elastic-run log --plot FILE.svg` writes. A pure function of the events: no plotting library, so the
-picture can be made wherever the log can be read, and opened in any browser.
+What `elastic-run log --plot timeline.png` draws (the file's extension picks the format: png, svg, pdf).
+matplotlib is an optional extra (`pip install -e '.[plot]'`); everything but the drawing is plain data here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
-from html import escape
+from pathlib import Path
 
 from launcher.membership_log import MembershipEvent
 
-_LANE_H = 28
-_TOP = 70
-_LEFT = 150
-_RIGHT = 30
-_WIDTH = 1100
-_ROUND_COLOURS = ("#9ecae1", "#c6dbef")  # alternate, so adjacent rounds stay apart
-# event -> (mark, colour, what the legend says)
+PLOT_EXTRA_HINT = "--plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
+# event -> (marker, colour) of its mark; the label says what happened to whom
 MARKS = {
-    "node_joined": ("triangle", "#2ca02c", "joined"),
-    "node_left": ("square", "#7f7f7f", "left"),
-    "node_lost": ("circle", "#000000", "lost"),
-    "controller_lost": ("circle", "#8c564b", "controller lost"),
-    "worker_failed": ("cross", "#d62728", "worker failed"),
-    "worker_hung": ("cross", "#ff7f0e", "worker hung"),
-    "node_quarantined": ("square", "#9467bd", "quarantined"),
-    "drain_committed": ("diamond", "#17becf", "drained (checkpoint)"),
+    "node_lost": ("X", "black"),
+    "controller_lost": ("X", "saddlebrown"),
+    "node_left": ("v", "grey"),
+    "worker_failed": ("x", "red"),
+    "worker_hung": ("P", "darkorange"),
+    "node_quarantined": ("s", "purple"),
+    "drain_committed": ("D", "teal"),
 }
+_ROUND_SHADES = ("#dbe9f6", "#f2f2f2")
 
 
 @dataclass(frozen=True)
@@ -38,115 +32,104 @@ class RoundSpan:
     end: float
     world_size: int
     reason: str
-    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Mark:
+    time: float
+    event: str
+    label: str
 
 
 def round_spans(events: list[MembershipEvent]) -> list[RoundSpan]:
     """Each round from its round_started to the next one's, or to the job's end (or the last event)."""
     starts = [e for e in events if e.event == "round_started"]
     end_of_log = max((e.time for e in events), default=0.0)
-    spans = []
-    for index, event in enumerate(starts):
-        end = starts[index + 1].time if index + 1 < len(starts) else end_of_log
-        nodes = tuple(member["node"] for member in event.members or ())
-        spans.append(RoundSpan(event.round or 0, event.time, end, event.world_size or 0, event.reason or "", nodes))
-    return spans
+    return [
+        RoundSpan(e.round or 0, e.time, starts[i + 1].time if i + 1 < len(starts) else end_of_log,
+                  e.world_size or 0, e.reason or "")
+        for i, e in enumerate(starts)
+    ]  # fmt: skip
 
 
-def render_svg(events: list[MembershipEvent], title: str) -> str:
-    """The timeline of `events` (log order) as a standalone SVG document."""
+def marks(events: list[MembershipEvent]) -> list[Mark]:
+    """The events worth a mark, each with a short label: what happened, to which node, and the one detail."""
+    found = []
+    for event in events:
+        if event.event not in MARKS:
+            continue
+        who = event.node or ""
+        if event.event == "worker_failed":
+            label = f"{who} rank {event.rank} failed ({event.exit_code})"
+        elif event.event == "worker_hung":
+            label = f"{who} rank {event.rank} hung"
+        elif event.event == "drain_committed":
+            label = f"drained at step {getattr(event, 'step', '?')}"
+        else:
+            label = f"{who} {event.event.removeprefix('node_').replace('_', ' ')}"
+        found.append(Mark(event.time, event.event, label.strip()))
+    return found
+
+
+def world_size_steps(events: list[MembershipEvent]) -> tuple[list[float], list[int]]:
+    """(times, world sizes) of a step plot: 0 before the first round and after the job ended."""
+    times, sizes = [events[0].time], [0]
+    for span in round_spans(events):
+        times.append(span.start)
+        sizes.append(span.world_size)
+    end = next((e.time for e in events if e.event in ("job_finished", "job_failed")), None)
+    if end is not None:
+        times.append(end)
+        sizes.append(0)
+    times.append(events[-1].time)
+    sizes.append(sizes[-1])
+    return times, sizes
+
+
+def draw(events: list[MembershipEvent], title: str, path: Path) -> None:
+    """Write the timeline of `events` (log order) to `path`; ImportError names the extra when matplotlib is
+    missing, ValueError when there is nothing to draw."""
     if not events:
         raise ValueError("no events to draw")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(PLOT_EXTRA_HINT) from None
+
     origin = events[0].time
-    length = max(events[-1].time - origin, 1e-3)
-    nodes = _nodes_in_order(events)
-    lane = {node: index for index, node in enumerate(nodes)}
-    height = _TOP + _LANE_H * len(nodes) + 90
-    scale = (_WIDTH - _LEFT - _RIGHT) / length
-
-    def x(when: float) -> float:
-        return _LEFT + (when - origin) * scale
-
-    def y(node: str) -> float:
-        return _TOP + lane[node] * _LANE_H
-
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{height}" font-family="sans-serif" '
-        f'font-size="11">',
-        '<rect width="100%" height="100%" fill="white"/>',
-        f'<text x="{_LEFT}" y="20" font-size="14" font-weight="bold">{escape(title)}</text>',
-        f'<text x="{_LEFT}" y="36" fill="#555">from {datetime.fromtimestamp(origin):%Y-%m-%d %H:%M:%S}, '
-        f'{length:.1f} s, {len(nodes)} node(s)</text>',
-    ]
-    for node in nodes:
-        parts.append(f'<text x="{_LEFT - 8}" y="{y(node) + _LANE_H / 2 + 4:.1f}" text-anchor="end">{escape(node)}</text>')
-    for span in round_spans(events):
-        colour = _ROUND_COLOURS[span.round % 2]
-        width = max(x(span.end) - x(span.start), 1.0)
-        for node in span.nodes:
-            if node in lane:
-                parts.append(f'<rect class="round" data-round="{span.round}" x="{x(span.start):.1f}" '
-                             f'y="{y(node) + 4}" width="{width:.1f}" height="{_LANE_H - 8}" fill="{colour}">'
-                             f'<title>round {span.round}: world {span.world_size} ({escape(span.reason)})</title></rect>')
-        parts.append(f'<line x1="{x(span.start):.1f}" y1="{_TOP - 14}" x2="{x(span.start):.1f}" '
-                     f'y2="{_TOP + _LANE_H * len(nodes)}" stroke="#555" stroke-dasharray="3,3"/>')
-        parts.append(f'<text x="{x(span.start) + 3:.1f}" y="{_TOP - 16}" fill="#333">r{span.round} w{span.world_size} '
-                     f'{escape(span.reason)}</text>')
-    for event in events:
-        if event.event in MARKS and event.node in lane:
-            parts.append(_mark(event, x(event.time), y(event.node) + _LANE_H / 2))
-    parts += _axis(length, scale, _TOP + _LANE_H * len(nodes))
-    parts += _legend(height - 28)
-    parts.append("</svg>")
-    return "\n".join(parts) + "\n"
+    times, sizes = world_size_steps(events)
+    figure, axes = plt.subplots(figsize=(11, 4.2), dpi=120)
+    try:
+        top = max(sizes + [1]) * 1.35
+        for span in round_spans(events):
+            axes.axvspan(span.start - origin, span.end - origin, color=_ROUND_SHADES[span.round % 2], zorder=0)
+            axes.text(span.start - origin, top * 0.97, f" round {span.round}\n {span.reason}", va="top", fontsize=7,
+                      color="#333333")  # fmt: skip
+        axes.step([t - origin for t in times], sizes, where="post", color="#1f77b4", linewidth=2, label="world size")
+        for index, mark in enumerate(marks(events)):
+            marker, colour = MARKS[mark.event]
+            at = _size_at(times, sizes, mark.time)
+            axes.scatter([mark.time - origin], [at], marker=marker, color=colour, s=60, zorder=3)
+            axes.annotate(mark.label, (mark.time - origin, at), xytext=(4, 8 + 10 * (index % 3)),
+                          textcoords="offset points", fontsize=7, color=colour)  # fmt: skip
+        axes.set_ylim(0, top)
+        axes.set_xlim(0, max(times[-1] - origin, 1e-3))
+        axes.set_xlabel("seconds since the first event")
+        axes.set_ylabel("world size (workers)")
+        axes.set_title(title, fontsize=10)
+        figure.tight_layout()
+        figure.savefig(path)
+    finally:
+        plt.close(figure)
 
 
-def _nodes_in_order(events: list[MembershipEvent]) -> list[str]:
-    seen: dict[str, None] = {}
-    for event in events:
-        for node in [event.node, *(m["node"] for m in event.members or ())]:
-            if node:
-                seen.setdefault(node, None)
-    return list(seen)
-
-
-def _mark(event: MembershipEvent, cx: float, cy: float) -> str:
-    shape, colour, _ = MARKS[event.event]
-    details = ", ".join(f"{k}={v}" for k, v in (("rank", event.rank), ("exit_code", event.exit_code),
-                        ("step", getattr(event, "step", None)), ("reason", event.reason)) if v is not None)  # fmt: skip
-    tip = f"<title>{escape(event.event)} {escape(event.node or '')} {escape(details)}</title>"
-    attributes = f'class="event" data-event="{event.event}"'
-    r = 5
-    if shape == "circle":
-        return f'<circle {attributes} cx="{cx:.1f}" cy="{cy:.1f}" r="{r}" fill="{colour}">{tip}</circle>'
-    if shape == "square":
-        return f'<rect {attributes} x="{cx - r:.1f}" y="{cy - r:.1f}" width="{2 * r}" height="{2 * r}" fill="{colour}">{tip}</rect>'
-    if shape == "triangle":
-        points = f"{cx:.1f},{cy - r:.1f} {cx - r:.1f},{cy + r:.1f} {cx + r:.1f},{cy + r:.1f}"
-        return f'<polygon {attributes} points="{points}" fill="{colour}">{tip}</polygon>'
-    if shape == "diamond":
-        points = f"{cx:.1f},{cy - r:.1f} {cx + r:.1f},{cy:.1f} {cx:.1f},{cy + r:.1f} {cx - r:.1f},{cy:.1f}"
-        return f'<polygon {attributes} points="{points}" fill="{colour}">{tip}</polygon>'
-    cross = f"M{cx - r:.1f},{cy - r:.1f} L{cx + r:.1f},{cy + r:.1f} M{cx - r:.1f},{cy + r:.1f} L{cx + r:.1f},{cy - r:.1f}"
-    return f'<path {attributes} d="{cross}" stroke="{colour}" stroke-width="2.5">{tip}</path>'
-
-
-def _axis(length: float, scale: float, top: float) -> list[str]:
-    step = next(s for s in (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 1e9) if length / s <= 12)
-    parts = [f'<line x1="{_LEFT}" y1="{top + 6}" x2="{_WIDTH - _RIGHT}" y2="{top + 6}" stroke="#333"/>']
-    tick = 0.0
-    while tick <= length + 1e-9:
-        tx = _LEFT + tick * scale
-        parts.append(f'<line x1="{tx:.1f}" y1="{top + 6}" x2="{tx:.1f}" y2="{top + 10}" stroke="#333"/>')
-        parts.append(f'<text x="{tx:.1f}" y="{top + 22}" text-anchor="middle">{tick:g} s</text>')
-        tick += step
-    return parts
-
-
-def _legend(top: float) -> list[str]:
-    parts, left = [], _LEFT
-    for event, (_, _, label) in MARKS.items():
-        parts.append(_mark(MembershipEvent(event=event, time=0.0), left, top).replace('class="event"', 'class="legend"'))
-        parts.append(f'<text x="{left + 9}" y="{top + 4}">{escape(label)}</text>')
-        left += 30 + 6 * len(label)
-    return parts
+def _size_at(times: list[float], sizes: list[int], when: float) -> int:
+    current = 0
+    for time, size in zip(times, sizes):
+        if time > when:
+            break
+        current = size
+    return current
