@@ -60,7 +60,8 @@ def worker_env(config: LaunchConfig, round_: RoundHeader, member: Member, master
         # rank 0 serves a fresh store on the round's own port: no key of an earlier round can be read back
         TORCHELASTIC_USE_AGENT_STORE="False",
         TORCHELASTIC_ERROR_FILE=str(error_file),
-        TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+        # as torchrun: the user's value wins; by default a failed NCCL collective tears its process down
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         ELASTIC_ROUND=str(round_.round),
     )
     # the worker's channel to its agent (heartbeats for the watchdog, drains): a file next to the error file,

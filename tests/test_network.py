@@ -169,3 +169,15 @@ def test_single_host_job_workers_see(user_value, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["GLOO_SOCKET_IFNAME"] for r in records] == [user_value, user_value]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("users, expected", [(None, "1"), ("0", "0"), ("3", "3")])
+def test_nccl_async_error_handling_is_on_unless_the_user_says_otherwise(monkeypatch, tmp_path, users, expected):
+    """torchrun's rule: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 for the workers, the launcher's own value if it has one."""
+    if users is None:
+        monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", users)
+    env = worker_env(*fake_member("127.0.0.1"), 0, tmp_path / "error.json")
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == expected
