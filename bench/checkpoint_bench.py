@@ -12,6 +12,7 @@ Not a test: the figures depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -119,7 +120,7 @@ def _rank(rank: int, world_size: int, port: int, megabytes: int, work: str, roun
         for _ in range(rounds):
             for kind, saved_at in (("same", 8), ("reshard", 4)):
                 manager = CheckpointManager(Path(work) / f"saved-at-{saved_at}", check_at_start=False)
-                loads[kind].append(_timed_on_all_ranks(lambda: manager.load_latest(state)))
+                loads[kind].append(_timed_on_all_ranks(functools.partial(manager.load_latest, state)))
                 manager.close()
         if rank == 0:
             (Path(work) / "loads.json").write_text(json.dumps(loads))

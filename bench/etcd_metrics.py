@@ -23,7 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-_LINE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)')
+_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 KEEPALIVE = "LeaseKeepAlive"
 

@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCH))
 
 import etcd_metrics  # noqa: E402
+
 from launcher.etcd_server import EtcdServer  # noqa: E402
 
 logger = logging.getLogger("idle-cost")
@@ -43,10 +44,15 @@ NODES = 3
 
 def describe(source: Path) -> str:
     try:
-        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--", "launcher"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+        commit = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(source), "status", "--porcelain", "--", "launcher"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "?"
     return f"{commit}{'+dirty launcher/' if dirty else ''}"
@@ -63,21 +69,50 @@ def measure(source: Path, args: argparse.Namespace) -> dict:
         env = dict(os.environ, PYTHONPATH=str(source), PYTHONUNBUFFERED="1")
         for k in range(NODES):
             command = [
-                sys.executable, "-m", "launcher.cli", "--nnodes", str(NODES), "--nproc-per-node", "1",
-                "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "idle",
-                "--node-id", f"n{k}", "--log-dir", str(workdir / f"n{k}"),
-                str(BENCH / "sleep_worker.py"), "--seconds", str(args.worker_seconds), "--ready-dir", str(ready),
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "launcher.cli",
+                "--nnodes",
+                str(NODES),
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                etcd.endpoint,
+                "--rdzv-id",
+                "idle",
+                "--node-id",
+                f"n{k}",
+                "--log-dir",
+                str(workdir / f"n{k}"),
+                str(BENCH / "sleep_worker.py"),
+                "--seconds",
+                str(args.worker_seconds),
+                "--ready-dir",
+                str(ready),
+            ]
             with open(workdir / f"n{k}.out", "ab") as out:
-                agents.append(subprocess.Popen(command, cwd=source, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+                agents.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=source,
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + args.startup_timeout
         while len(list(ready.glob("*"))) < NODES:
             exited = [a.pid for a in agents if a.poll() is not None]
             if exited or time.monotonic() > deadline:
                 tail = (workdir / "n0.out").read_text(errors="replace")[-1500:]
-                raise RuntimeError(f"workers not running ({len(list(ready.glob('*')))} of {NODES}; agents exited: "
-                                   f"{exited}); n0 said:\n{tail}")  # fmt: skip
+                raise RuntimeError(
+                    f"workers not running ({len(list(ready.glob('*')))} of {NODES}; agents exited: "
+                    f"{exited}); n0 said:\n{tail}"
+                )
             time.sleep(0.1)
         logger.info("  %s: round formed, %d workers running; settling %.0f s", source, NODES, args.settle)
         time.sleep(args.settle)
@@ -130,12 +165,34 @@ def measure(source: Path, args: argparse.Namespace) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    header = ("source", "commit", "seconds", "requests", "req/s", "req/s/agent", "calls", "proposals/s", "bytes/s",
-              "by method")  # fmt: skip
-    rows = [(r["source"], r["commit"], f"{r['seconds']:.1f}", str(r["requests"]), f"{r['requests_per_s']:.1f}",
-             f"{r['requests_per_agent_s']:.2f}", str(r["calls"]), f"{r['proposals_per_s']:.1f}",
-             str(r["sent_bytes_per_s"]), " ".join(f"{m}={v}" for m, v in r["by_method"].items()))
-            for r in results if "requests" in r]  # fmt: skip
+    header = (
+        "source",
+        "commit",
+        "seconds",
+        "requests",
+        "req/s",
+        "req/s/agent",
+        "calls",
+        "proposals/s",
+        "bytes/s",
+        "by method",
+    )
+    rows = [
+        (
+            r["source"],
+            r["commit"],
+            f"{r['seconds']:.1f}",
+            str(r["requests"]),
+            f"{r['requests_per_s']:.1f}",
+            f"{r['requests_per_agent_s']:.2f}",
+            str(r["calls"]),
+            f"{r['proposals_per_s']:.1f}",
+            str(r["sent_bytes_per_s"]),
+            " ".join(f"{m}={v}" for m, v in r["by_method"].items()),
+        )
+        for r in results
+        if "requests" in r
+    ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     print()
     for row in [header, *rows]:
@@ -145,19 +202,26 @@ def print_table(results: list[dict]) -> None:
             print(f"{r['source']}: ERROR {r['error']}")
     done = [r for r in results if "requests" in r]
     if len(done) == 2 and done[1]["requests"]:
-        print(f"\n{done[0]['commit']} / {done[1]['commit']}: {done[0]['requests'] / done[1]['requests']:.1f}x the "
-              f"requests, {done[0]['proposals']} vs {done[1]['proposals']} raft proposals in "
-              f"{done[0]['seconds']:.0f} s")  # fmt: skip
-    print(f"\n{NODES} agents, --nnodes {NODES} --nproc-per-node 1, CLI defaults otherwise; requests = unary calls + "
-          "messages on streams (a lease refresh is 1); calls = grpc_server_handled_total (all) + stream messages")
+        print(
+            f"\n{done[0]['commit']} / {done[1]['commit']}: {done[0]['requests'] / done[1]['requests']:.1f}x the "
+            f"requests, {done[0]['proposals']} vs {done[1]['proposals']} raft proposals in "
+            f"{done[0]['seconds']:.0f} s"
+        )
+    print(
+        f"\n{NODES} agents, --nnodes {NODES} --nproc-per-node 1, CLI defaults otherwise; requests = unary calls + "
+        "messages on streams (a lease refresh is 1); calls = grpc_server_handled_total (all) + stream messages"
+    )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))  # fmt: skip
-    parser.add_argument("--source", default=str(REPO),
-                        help="comma-separated checkouts to run the agents from (default: this one)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    parser.add_argument(
+        "--source", default=str(REPO), help="comma-separated checkouts to run the agents from (default: this one)"
+    )
     parser.add_argument("--seconds", type=float, default=10.0, help="idle window (default 10)")
     parser.add_argument("--settle", type=float, default=2.0, help="wait after the workers started (default 2)")
     parser.add_argument("--startup-timeout", type=float, default=60.0, help="for the round to form (default 60)")

@@ -64,20 +64,41 @@ FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "crash": signal.SIGKIL
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))  # fmt: skip
-    parser.add_argument("--launchers", default="elastic-run,elastic-run-cold,torchrun",
-                        help=f"comma-separated, from {', '.join(LAUNCHERS)} (torchrun = tuned c10d conf)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    parser.add_argument(
+        "--launchers",
+        default="elastic-run,elastic-run-cold,torchrun",
+        help=f"comma-separated, from {', '.join(LAUNCHERS)} (torchrun = tuned c10d conf)",
+    )
     parser.add_argument("--faults", default="kill,stop,crash", help="comma-separated, from kill, stop, crash")
-    parser.add_argument("--settle", type=float, default=8.0,
-                        help="seconds of training after the warm-up steps before the fault (default 8)")
-    parser.add_argument("--deadline", type=float, default=120.0,
-                        help="seconds after the fault to wait for a collective at world size 4 (default 120)")
-    parser.add_argument("--warmup-steps", type=int, default=5,
-                        help="collectives every rank of the 6-worker world completes before the fault (default 5)")
-    parser.add_argument("--startup-timeout", type=float, default=120.0,
-                        help="seconds allowed for the 6-worker world to reach --warmup-steps (default 120)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=8.0,
+        help="seconds of training after the warm-up steps before the fault (default 8)",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=120.0,
+        help="seconds after the fault to wait for a collective at world size 4 (default 120)",
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=5,
+        help="collectives every rank of the 6-worker world completes before the fault (default 5)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        help="seconds allowed for the 6-worker world to reach --warmup-steps (default 120)",
+    )
     parser.add_argument("--step-time", type=float, default=0.1, help="probe seconds between collectives (default 0.1)")
     parser.add_argument("--keep-logs", action="store_true", help="keep each scenario's directory and print its path")
     args = parser.parse_args(argv)
@@ -201,13 +222,26 @@ class Job:
                 command = torchrun_command(node, store_port, rdzv_id, conf, self.log_dir(node), probe_args)
             with open(self.agent_output(node), "ab") as output:
                 # a session of its own: Ctrl-C in our terminal must not reach the agents before we clean up
-                self.agents.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=output,
-                                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                    start_new_session=True))  # fmt: skip
+                self.agents.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=REPO,
+                        env=env,
+                        stdout=output,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
             # join in order, so node 0 hosts torchrun's store and the faulted node is the last one in both launchers
             time.sleep(0.5)
-        logger.info("  started %d %s agents (pids %s), logs in %s", NODES, self.launcher,
-                    " ".join(str(a.pid) for a in self.agents), self.workdir)  # fmt: skip
+        logger.info(
+            "  started %d %s agents (pids %s), logs in %s",
+            NODES,
+            self.launcher,
+            " ".join(str(a.pid) for a in self.agents),
+            self.workdir,
+        )
 
     def running_agents(self) -> int:
         return sum(agent.poll() is None for agent in self.agents)
@@ -218,8 +252,14 @@ class Job:
         self.output_sizes_at_fault = {n: self.agent_output(n).stat().st_size for n in range(NODES)}
         fault_time = time.time()
         groups = signal_groups_of(tree, signum)
-        logger.info("  %s node%d: %d processes (agent pid %d), process groups %s", signal.Signals(signum).name,
-                    node, len(tree), self.agents[node].pid, groups)  # fmt: skip
+        logger.info(
+            "  %s node%d: %d processes (agent pid %d), process groups %s",
+            signal.Signals(signum).name,
+            node,
+            len(tree),
+            self.agents[node].pid,
+            groups,
+        )
         return fault_time
 
     def crash_worker(self, node: int) -> float:
@@ -253,29 +293,64 @@ class Job:
             logger.warning("  processes still alive after cleanup: %s", leftover)
 
 
-def elastic_run_command(node: int, endpoint: str, rdzv_id: str, log_dir: Path, probe_args: list[str],
-                        warm: bool) -> list[str]:  # fmt: skip
+def elastic_run_command(
+    node: int, endpoint: str, rdzv_id: str, log_dir: Path, probe_args: list[str], warm: bool
+) -> list[str]:
     return [
-        sys.executable, "-m", "launcher.cli",  # the `elastic-run` console script, run by this interpreter
-        "--nnodes", f"{NODES - 1}:{NODES}", "--nproc-per-node", str(NPROC_PER_NODE),
-        "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id,
-        "--rdzv-conf", ELASTIC_RDZV_CONF, "--max-restarts", "3",
-        "--node-id", f"node{node}", "--log-dir", str(log_dir), *([] if warm else ["--no-warm-workers"]), *probe_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "launcher.cli",  # the `elastic-run` console script, run by this interpreter
+        "--nnodes",
+        f"{NODES - 1}:{NODES}",
+        "--nproc-per-node",
+        str(NPROC_PER_NODE),
+        "--rdzv-backend",
+        "etcd",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        ELASTIC_RDZV_CONF,
+        "--max-restarts",
+        "3",
+        "--node-id",
+        f"node{node}",
+        "--log-dir",
+        str(log_dir),
+        *([] if warm else ["--no-warm-workers"]),
+        *probe_args,
+    ]
 
 
 def torchrun_command(node: int, port: int, rdzv_id: str, conf: str, log_dir: Path, probe_args: list[str]) -> list[str]:
     # Every agent runs on 127.0.0.1, so each would guess it hosts the store: say explicitly that node 0 does.
     rdzv_conf = ",".join(filter(None, [conf, f"is_host={'true' if node == 0 else 'false'}"]))
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", f"{NODES - 1}:{NODES}", "--nproc-per-node", str(NPROC_PER_NODE),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
-        "--rdzv-conf", rdzv_conf, "--max-restarts", "3", "--log-dir", str(log_dir),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        f"{NODES - 1}:{NODES}",
+        "--nproc-per-node",
+        str(NPROC_PER_NODE),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        rdzv_conf,
+        "--max-restarts",
+        "3",
+        "--log-dir",
+        str(log_dir),
         # torchrun's parser accepts abbreviations and rejects the probe's --log as ambiguous (--log-dir,
         # --logs-specs) unless `--` ends its own flags
-        "--", *probe_args,
-    ]  # fmt: skip
+        "--",
+        *probe_args,
+    ]
 
 
 # -- watching the probe's log ------------------------------------------------------------------------------
@@ -318,8 +393,9 @@ def wait_for_full_world(probe: ProbeLog, job: Job, steps: int, timeout: float) -
     return False
 
 
-def wait_for_recovery(probe: ProbeLog, job: Job, fault_time: float, world_size: int, after_round: int,
-                      deadline_s: float) -> tuple[dict | None, str]:  # fmt: skip
+def wait_for_recovery(
+    probe: ProbeLog, job: Job, fault_time: float, world_size: int, after_round: int, deadline_s: float
+) -> tuple[dict | None, str]:
     """The first collective at `world_size` in a round after `after_round` completed after the fault, or None
     and why there was none."""
     deadline = fault_time + deadline_s
@@ -331,8 +407,9 @@ def wait_for_recovery(probe: ProbeLog, job: Job, fault_time: float, world_size: 
         if job.running_agents() == 0:
             return None, f"all agents exited {time.time() - fault_time:.0f} s after the fault"
         if time.time() >= next_progress:
-            logger.info("  ... %.0f s after the fault, no collective at world size %d yet", time.time() - fault_time,
-                        world_size)  # fmt: skip
+            logger.info(
+                "  ... %.0f s after the fault, no collective at world size %d yet", time.time() - fault_time, world_size
+            )
             next_progress += 15
         time.sleep(0.05)
     return None, ""
@@ -345,13 +422,19 @@ def after_fault_note(job: Job, probe: ProbeLog, fault_time: float) -> str:
     """Why there was no recovery, in one line: what the survivors did after the fault."""
     probe.read_new()
     later = [c for c in probe.collectives if c["time"] > fault_time]
-    parts = [f"collectives after the fault at world sizes {sorted({c['world_size'] for c in later})}" if later
-             else "no collective after the fault"]  # fmt: skip
+    parts = [
+        f"collectives after the fault at world sizes {sorted({c['world_size'] for c in later})}"
+        if later
+        else "no collective after the fault"
+    ]
     survivors = [n for n in range(NODES) if n != FAULTED_NODE]
     outputs = {n: job.agent_output(n).read_text(errors="replace") for n in survivors}
     # a re-formed world whose workers could not connect to each other (gloo's C++ log line, once per worker)
-    mesh_failures = sum(line.startswith("[E") and "connectFullMesh failed" in line
-                        for text in outputs.values() for line in text.splitlines())  # fmt: skip
+    mesh_failures = sum(
+        line.startswith("[E") and "connectFullMesh failed" in line
+        for text in outputs.values()
+        for line in text.splitlines()
+    )
     if mesh_failures:
         parts.append(f"{mesh_failures} worker(s) failed gloo connectFullMesh")
     for node in survivors:
@@ -391,11 +474,14 @@ def membership_events(job: Job, fault_time: float, world_size: int, wait_s: floa
         time.sleep(0.2)
 
 
-def recovery_split(events: list[dict], fault_time: float, first_collective: float, world_size: int,
-                   workers_launched: float | None) -> dict[str, float] | None:  # fmt: skip
+def recovery_split(
+    events: list[dict], fault_time: float, first_collective: float, world_size: int, workers_launched: float | None
+) -> dict[str, float] | None:
     """fault -> detected (node_lost, or worker_failed) -> round_started -> first collective, in seconds."""
-    detected = next((e for e in events if e["event"] in ("node_lost", "worker_failed")
-                     and e.get("node") == f"node{FAULTED_NODE}"), None)  # fmt: skip
+    detected = next(
+        (e for e in events if e["event"] in ("node_lost", "worker_failed") and e.get("node") == f"node{FAULTED_NODE}"),
+        None,
+    )
     started = next((e for e in events if e["event"] == "round_started" and e.get("world_size") == world_size), None)
     if detected is None or started is None:
         return None
@@ -436,8 +522,11 @@ def first_round_ranks(job: Job) -> str:
 
 
 def describe_event(event: dict, fault_time: float) -> str:
-    details = [f"{k}={event[k]}" for k in ("round", "node", "world_size", "reason", "restart_count", "exit_code")
-               if event.get(k) is not None]  # fmt: skip
+    details = [
+        f"{k}={event[k]}"
+        for k in ("round", "node", "world_size", "reason", "restart_count", "exit_code")
+        if event.get(k) is not None
+    ]
     return f"+{event['time'] - fault_time:6.2f} s  {event['event']:<13} {' '.join(details)}"
 
 
@@ -463,10 +552,19 @@ def run_scenario(launcher: str, fault: str, args: argparse.Namespace) -> Result:
         job.start(args.step_time)
         probe = ProbeLog(job.probe_log)
         if not wait_for_full_world(probe, job, args.warmup_steps, args.startup_timeout):
-            return Result(launcher, fault, None, f"the {FULL_WORLD}-worker world never completed "
-                                                 f"{args.warmup_steps} collectives; see {workdir}")  # fmt: skip
-        logger.info("  world of %d trained %d steps; faulting node%d in %.0f s", FULL_WORLD, args.warmup_steps,
-                    FAULTED_NODE, args.settle)  # fmt: skip
+            return Result(
+                launcher,
+                fault,
+                None,
+                f"the {FULL_WORLD}-worker world never completed {args.warmup_steps} collectives; see {workdir}",
+            )
+        logger.info(
+            "  world of %d trained %d steps; faulting node%d in %.0f s",
+            FULL_WORLD,
+            args.warmup_steps,
+            FAULTED_NODE,
+            args.settle,
+        )
         time.sleep(args.settle)
         if elastic:
             logger.info("  round 0 ranks: %s", first_round_ranks(job))
@@ -483,8 +581,12 @@ def run_scenario(launcher: str, fault: str, args: argparse.Namespace) -> Result:
             result = Result(launcher, fault, None, f"{note}; {after_fault_note(job, probe, fault_time)}")
         else:
             seconds = first["time"] - fault_time
-            result = Result(launcher, fault, seconds, f"world {world_size}, round {first['round']}, "
-                                                      f"restart count {first['restarts']}")  # fmt: skip
+            result = Result(
+                launcher,
+                fault,
+                seconds,
+                f"world {world_size}, round {first['round']}, restart count {first['restarts']}",
+            )
         result.fault_time = fault_time
         if elastic:
             result.events = membership_events(job, fault_time, world_size)
@@ -506,8 +608,10 @@ def run_scenario(launcher: str, fault: str, args: argparse.Namespace) -> Result:
 def print_report(results: list[Result], args: argparse.Namespace) -> None:
     print()
     header = ("launcher", "fault", "seconds to the first collective after it", "note")
-    rows = [(r.launcher, r.fault, f"{r.seconds:.2f}" if r.seconds is not None else f"> {args.deadline:.0f} (none)",
-             r.note) for r in results]  # fmt: skip
+    rows = [
+        (r.launcher, r.fault, f"{r.seconds:.2f}" if r.seconds is not None else f"> {args.deadline:.0f} (none)", r.note)
+        for r in results
+    ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
     for row in [header, *rows]:
         print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " | " + row[3])
@@ -538,11 +642,15 @@ def print_report(results: list[Result], args: argparse.Namespace) -> None:
 
 def ratio_line(elastic: Result, baseline: Result, deadline: float) -> str:
     if elastic.seconds is not None and baseline.seconds is not None:
-        return (f"{baseline.launcher}/elastic-run = {baseline.seconds / elastic.seconds:.1f}x "
-                f"({baseline.seconds:.2f} s vs {elastic.seconds:.2f} s)")  # fmt: skip
+        return (
+            f"{baseline.launcher}/elastic-run = {baseline.seconds / elastic.seconds:.1f}x "
+            f"({baseline.seconds:.2f} s vs {elastic.seconds:.2f} s)"
+        )
     if elastic.seconds is not None:
-        return (f"elastic-run recovered in {elastic.seconds:.2f} s; {baseline.launcher} did not within "
-                f"{deadline:.0f} s (ratio > {deadline / elastic.seconds:.0f}x)")  # fmt: skip
+        return (
+            f"elastic-run recovered in {elastic.seconds:.2f} s; {baseline.launcher} did not within "
+            f"{deadline:.0f} s (ratio > {deadline / elastic.seconds:.0f}x)"
+        )
     if baseline.seconds is not None:
         return f"{baseline.launcher} recovered in {baseline.seconds:.2f} s; elastic-run did not within {deadline:.0f} s"
     return f"neither recovered within {deadline:.0f} s"

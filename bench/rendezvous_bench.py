@@ -170,8 +170,11 @@ def host_main(index: int, spec: dict, conn, events) -> None:
     """Entry point of one host process (spawned): runs its agents and answers the coordinator's commands."""
     # Imports here: the coordinator never imports grpc before spawning.
     threading.stack_size(2 << 20)
-    logging.basicConfig(level=spec["log_level"], filename=os.path.join(spec["log_dir"], "host.log"),
-                        format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=spec["log_level"],
+        filename=os.path.join(spec["log_dir"], "host.log"),
+        format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
+    )
     deadline = time.monotonic() + spec["host_deadline_s"]
 
     def dump_stacks(signum=None, frame=None) -> None:
@@ -254,16 +257,29 @@ def host_main(index: int, spec: dict, conn, events) -> None:
         client = SharedKeepAliveClient(client)
     # --nnodes 1:N with a last call of an hour: round 0 forms the moment the N-th agent registers (MAX reached),
     # and a loss re-forms at once with N-1 (MIN is met); --nnodes N:N could never re-form after a loss.
-    rdzv = RendezvousSettings(keep_alive_interval=spec["keep_alive_interval"], keep_alive_max_attempt=LEASE_ATTEMPTS,
-                              last_call_timeout=3600, join_timeout=3600, close_timeout=3600)  # fmt: skip
+    rdzv = RendezvousSettings(
+        keep_alive_interval=spec["keep_alive_interval"],
+        keep_alive_max_attempt=LEASE_ATTEMPTS,
+        last_call_timeout=3600,
+        join_timeout=3600,
+        close_timeout=3600,
+    )
     agents: dict[str, BenchAgent] = {}
     threads: dict[str, threading.Thread] = {}
     for node in spec["nodes"]:
         config = LaunchConfig(
-            min_nodes=1, max_nodes=spec["n"], nproc_per_node=1, rdzv_endpoint=spec["endpoint"],
-            rdzv_id=spec["rdzv_id"], rdzv=rdzv, monitor_interval=5.0, log_dir=Path(spec["log_dir"]),
-            local_addr="127.0.0.1", node_id=node, entrypoint="noop-worker",
-        )  # fmt: skip
+            min_nodes=1,
+            max_nodes=spec["n"],
+            nproc_per_node=1,
+            rdzv_endpoint=spec["endpoint"],
+            rdzv_id=spec["rdzv_id"],
+            rdzv=rdzv,
+            monitor_interval=5.0,
+            log_dir=Path(spec["log_dir"]),
+            local_addr="127.0.0.1",
+            node_id=node,
+            entrypoint="noop-worker",
+        )
         agents[node] = BenchAgent(config, client)
 
     def run_agent(agent: BenchAgent) -> None:
@@ -305,8 +321,17 @@ def host_main(index: int, spec: dict, conn, events) -> None:
                 host.live -= 1
             conn.send(("killed", agent.die()))
         elif command == "stats":
-            conn.send(("stats", {"threads": threading.active_count(), "os_threads": etcd_metrics.process_threads(os.getpid()),
-                                 "cpu_s": etcd_metrics.process_cpu_seconds(os.getpid()), "rss_mib": _rss_mib()}))  # fmt: skip
+            conn.send(
+                (
+                    "stats",
+                    {
+                        "threads": threading.active_count(),
+                        "os_threads": etcd_metrics.process_threads(os.getpid()),
+                        "cpu_s": etcd_metrics.process_cpu_seconds(os.getpid()),
+                        "rss_mib": _rss_mib(),
+                    },
+                )
+            )
         elif command == "stop":
             conn.send(("stopping", None))
             break
@@ -345,11 +370,13 @@ class Hosts:
         self.host_of: dict[str, int] = {}
         for index, nodes in enumerate(node_slices):
             parent, child = self.context.Pipe()
-            host_spec = dict(spec, nodes=nodes, log_dir=os.path.join(spec["workdir"], f"host{index}"),
-                             host_deadline_s=deadline_s)  # fmt: skip
+            host_spec = dict(
+                spec, nodes=nodes, log_dir=os.path.join(spec["workdir"], f"host{index}"), host_deadline_s=deadline_s
+            )
             os.makedirs(host_spec["log_dir"], exist_ok=True)
-            process = self.context.Process(target=host_main, args=(index, host_spec, child, self.events),
-                                           name=f"host{index}", daemon=True)  # fmt: skip
+            process = self.context.Process(
+                target=host_main, args=(index, host_spec, child, self.events), name=f"host{index}", daemon=True
+            )
             process.start()
             self.processes.append(process)
             self.conns.append(parent)
@@ -467,8 +494,10 @@ class KeyWatch:
 
 
 def cpu_snapshot(hosts: Hosts, etcd_pid: int) -> dict[str, float]:
-    return {"etcd": etcd_metrics.process_cpu_seconds(etcd_pid),
-            "hosts": sum(etcd_metrics.process_cpu_seconds(p.pid) for p in hosts.processes)}  # fmt: skip
+    return {
+        "etcd": etcd_metrics.process_cpu_seconds(etcd_pid),
+        "hosts": sum(etcd_metrics.process_cpu_seconds(p.pid) for p in hosts.processes),
+    }
 
 
 def cpu_delta(before: dict, after: dict) -> dict[str, float]:
@@ -495,10 +524,28 @@ class Profiler:
         for name, pid in pids.items():
             output = os.path.join(directory, f"profile-{window}-{name}.txt")
             self.outputs[name] = output
-            self.processes.append(subprocess.Popen(
-                [binary, "record", "--pid", str(pid), "--rate", str(rate), "--nonblocking", "--format", "raw",
-                 "--output", output, "--duration", "120"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+            self.processes.append(
+                subprocess.Popen(
+                    [
+                        binary,
+                        "record",
+                        "--pid",
+                        str(pid),
+                        "--rate",
+                        str(rate),
+                        "--nonblocking",
+                        "--format",
+                        "raw",
+                        "--output",
+                        output,
+                        "--duration",
+                        "120",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
         time.sleep(1.0)  # py-spy attaches
 
     def stop(self) -> dict:
@@ -557,12 +604,25 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         client = etcd_client.connect(etcd.endpoint)
         slices = plan_hosts(n, args.agents_per_process)
         holdback = slices[-1][-1]
-        spec = {"endpoint": etcd.endpoint, "rdzv_id": rdzv_id, "n": n, "workdir": workdir, "holdback": holdback,
-                "keep_alive_interval": args.keep_alive_interval, "start_rate": args.start_rate, "keepalive": args.keepalive,
-                "log_level": args.log_level}  # fmt: skip
+        spec = {
+            "endpoint": etcd.endpoint,
+            "rdzv_id": rdzv_id,
+            "n": n,
+            "workdir": workdir,
+            "holdback": holdback,
+            "keep_alive_interval": args.keep_alive_interval,
+            "start_rate": args.start_rate,
+            "keepalive": args.keepalive,
+            "log_level": args.log_level,
+        }
         result.update(keepalive=args.keepalive, processes=len(slices), agents_per_process=max(len(s) for s in slices))
-        logger.info("N=%d: %d host process(es) x <= %d agents, etcd %s", n, len(slices), result["agents_per_process"],
-                    etcd.endpoint)  # fmt: skip
+        logger.info(
+            "N=%d: %d host process(es) x <= %d agents, etcd %s",
+            n,
+            len(slices),
+            result["agents_per_process"],
+            etcd.endpoint,
+        )
         hosts = Hosts(spec, slices, deadline_s=args.host_deadline)
 
         # -- registration of N-1 agents ----------------------------------------------------------------------
@@ -587,10 +647,17 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         known = hosts.wait_for("entered", 0, n, args.phase_deadline, "agents know their rank in round 0")
         m1, c1 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
         to_known = etcd_metrics.delta(m0, m1)
-        result.update(form_s=round(known - last_registration, 3), form_bytes_to_known=int(to_known.sent_bytes),
-                      form_cpu_to_known_s=cpu_delta(c0, c1))  # fmt: skip
-        logger.info("  round 0: rank known by all %.3f s after the last registration (%d bytes sent by etcd, CPU %s)",
-                    result["form_s"], to_known.sent_bytes, result["form_cpu_to_known_s"])  # fmt: skip
+        result.update(
+            form_s=round(known - last_registration, 3),
+            form_bytes_to_known=int(to_known.sent_bytes),
+            form_cpu_to_known_s=cpu_delta(c0, c1),
+        )
+        logger.info(
+            "  round 0: rank known by all %.3f s after the last registration (%d bytes sent by etcd, CPU %s)",
+            result["form_s"],
+            to_known.sent_bytes,
+            result["form_cpu_to_known_s"],
+        )
         workers = hosts.wait_for("workers", 0, n, args.phase_deadline, "agents started round 0 workers")
         acked = hosts.wait_for("acked", 0, n, args.phase_deadline, "agents acknowledged round 0")
         m2, c2 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
@@ -608,8 +675,11 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         )
         if profiler is not None:
             result["form_profile"] = profiler.stop()
-        logger.info("  round 0: rank known by all %.3f s after the last registration, acknowledged by all %.3f s",
-                    result["form_s"], result["form_acked_s"])  # fmt: skip
+        logger.info(
+            "  round 0: rank known by all %.3f s after the last registration, acknowledged by all %.3f s",
+            result["form_s"],
+            result["form_acked_s"],
+        )
 
         # -- idle --------------------------------------------------------------------------------------------
         time.sleep(2.0)
@@ -628,8 +698,11 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             idle_by_method={m: round(v / idle.seconds, 2) for m, v in idle.by_method.items()},
             idle_cpu_s_per_s={k: round(v / idle.seconds, 3) for k, v in cpu_delta(c3, c4).items()},
         )
-        logger.info("  idle: %.3f requests/s per agent, %.3f raft proposals/s", result["idle_requests_per_agent_s"],
-                    result["idle_proposals_s"])  # fmt: skip
+        logger.info(
+            "  idle: %.3f requests/s per agent, %.3f raft proposals/s",
+            result["idle_requests_per_agent_s"],
+            result["idle_proposals_s"],
+        )
 
         # -- one agent dies; round 1 -------------------------------------------------------------------------
         holder_raw, _ = client.get(keys.controller)
@@ -644,7 +717,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         hosts.drain()
         profiler = None
         if args.sample:
-            profiled = {f"host{i}": hosts.processes[i].pid for i in sorted({hosts.host_of[controller], len(slices) - 1})}
+            profiled = {
+                f"host{i}": hosts.processes[i].pid for i in sorted({hosts.host_of[controller], len(slices) - 1})
+            }
             profiler = Profiler(profiled, workdir, "reform")
         m5, c5 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
         death = hosts.ask(hosts.host_of[victim], "kill", victim)
@@ -675,8 +750,12 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         )
         if profiler is not None:
             result["reform_profile"] = profiler.stop()
-        logger.info("  round 1: survivors know it %.3f s after the death (%.3f s beyond the %d s TTL)",
-                    result["reform_total_s"], result["reform_s"], ttl)  # fmt: skip
+        logger.info(
+            "  round 1: survivors know it %.3f s after the death (%.3f s beyond the %d s TTL)",
+            result["reform_total_s"],
+            result["reform_s"],
+            ttl,
+        )
     except Timeout as exc:
         logger.error("  N=%d: %s", n, exc)
         result["error"] = str(exc)
@@ -689,7 +768,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                     "controller": holder_raw.decode() if holder_raw else None,
                     "round": RoundHeader.loads(round_raw).round if round_raw else None,
                     "keys": client.get_prefix_response(keys.prefix, count_only=True).count,
-                }  # fmt: skip
+                }
                 logger.error("  etcd: %s", result["etcd_at_error"])
             except Exception as diag:  # noqa: BLE001
                 logger.error("  could not read etcd: %s", diag)
@@ -756,8 +835,10 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     for row in [header, *rows]:
         print(" | ".join(cell.rjust(width) for cell, width in zip(row, widths)))
     ttl = max(1, math.ceil(args.keep_alive_interval * LEASE_ATTEMPTS))
-    print(f"\nlease TTL {ttl} s (keep_alive_interval={args.keep_alive_interval:g} x {LEASE_ATTEMPTS}); "
-          f"reform_s excludes it; --nnodes 1:N, last_call/join/close_timeout=3600, monitor_interval=5")  # fmt: skip
+    print(
+        f"\nlease TTL {ttl} s (keep_alive_interval={args.keep_alive_interval:g} x {LEASE_ATTEMPTS}); "
+        f"reform_s excludes it; --nnodes 1:N, last_call/join/close_timeout=3600, monitor_interval=5"
+    )
     for r in results:
         if r.get("reform_split_s"):
             print(f"N={r['agents']}: round-1 split {r['reform_split_s']}")
@@ -768,21 +849,28 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     for n, (key, limit) in targets.items():
         r = next((r for r in results if r["agents"] == n), None)
         if r is not None and r.get(key) is not None:
-            print(f"target: {n} agents {key} <= {limit:g} s: {r[key]:.3f} s -> {'met' if r[key] <= limit else 'MISSED'}")
+            print(
+                f"target: {n} agents {key} <= {limit:g} s: {r[key]:.3f} s -> {'met' if r[key] <= limit else 'MISSED'}"
+            )
     r = next((r for r in results if r["agents"] == 1024), None)
     if r is not None and r.get("reform_s") is not None:
-        print(f"target: 1024 agents know the new round <= TTL + 1 s: TTL + {r['reform_s']:.3f} s -> "
-              f"{'met' if r['reform_s'] <= 1.0 else 'MISSED'}")  # fmt: skip
+        print(
+            f"target: 1024 agents know the new round <= TTL + 1 s: TTL + {r['reform_s']:.3f} s -> "
+            f"{'met' if r['reform_s'] <= 1.0 else 'MISSED'}"
+        )
     idle = [r for r in results if r.get("idle_requests_per_agent_s") is not None]
     if idle:
         worst = max(idle, key=lambda r: r["idle_requests_per_agent_s"])
-        print(f"target: idle agent <= 1.2 etcd requests/s: worst {worst['idle_requests_per_agent_s']:.3f} "
-              f"(N={worst['agents']}) -> {'met' if worst['idle_requests_per_agent_s'] <= 1.2 else 'MISSED'}; "
-              f"raft proposals/s while idle: {', '.join(format(r['idle_proposals_s'], 'g') for r in idle)}")  # fmt: skip
+        print(
+            f"target: idle agent <= 1.2 etcd requests/s: worst {worst['idle_requests_per_agent_s']:.3f} "
+            f"(N={worst['agents']}) -> {'met' if worst['idle_requests_per_agent_s'] <= 1.2 else 'MISSED'}; "
+            f"raft proposals/s while idle: {', '.join(format(r['idle_proposals_s'], 'g') for r in idle)}"
+        )
     per_agent = [(r["agents"], r["req_per_round_per_agent"]) for r in results if "req_per_round_per_agent" in r]
     if len(per_agent) > 1:
-        print("requests per round per agent (flat = linear in N): "
-              + ", ".join(f"N={n}: {v:.2f}" for n, v in per_agent))  # fmt: skip
+        print(
+            "requests per round per agent (flat = linear in N): " + ", ".join(f"N={n}: {v:.2f}" for n, v in per_agent)
+        )
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -798,8 +886,11 @@ def plot(results: list[dict], path: str) -> None:
     if not done:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (("form_s", "round 0: all know their rank"), ("form_acked_s", "round 0: all acknowledged"),
-                       ("reform_s", "after a loss: all know round 1, minus lease TTL")):  # fmt: skip
+    for key, label in (
+        ("form_s", "round 0: all know their rank"),
+        ("form_acked_s", "round 0: all acknowledged"),
+        ("reform_s", "after a loss: all know round 1, minus lease TTL"),
+    ):
         points = [(r["agents"], r[key]) for r in done if r.get(key) is not None]
         if points:
             ax.plot(*zip(*points), marker="o", label=label)
@@ -815,28 +906,53 @@ def plot(results: list[dict], path: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
     parser.add_argument("--agents", default="16,64,256,1024", help="comma-separated N values (default 16,64,256,1024)")
     parser.add_argument("--agents-per-process", type=int, default=256, help="agents per host process (default 256)")
     parser.add_argument("--keep-alive-interval", type=float, default=1.0, help="seconds; lease TTL is 3x (default 1)")
-    parser.add_argument("--keepalive", choices=("shared", "real"), default="shared",
-                        help="shared: the agents of a host refresh their leases on one stream (default); real: "
-                             "pyetcd's stream + thread per refresh, as one elastic-run agent does (see "
-                             "SharedKeepAliveClient)")  # fmt: skip
+    parser.add_argument(
+        "--keepalive",
+        choices=("shared", "real"),
+        default="shared",
+        help="shared: the agents of a host refresh their leases on one stream (default); real: "
+        "pyetcd's stream + thread per refresh, as one elastic-run agent does (see "
+        "SharedKeepAliveClient)",
+    )
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="idle measurement window (default 10)")
-    parser.add_argument("--start-rate", type=float, default=200.0,
-                        help="agents started per second per host process before round 0 (default 200; 0: all at once)")
+    parser.add_argument(
+        "--start-rate",
+        type=float,
+        default=200.0,
+        help="agents started per second per host process before round 0 (default 200; 0: all at once)",
+    )
     parser.add_argument("--phase-deadline", type=float, default=120.0, help="seconds allowed per phase (default 120)")
-    parser.add_argument("--host-deadline", type=float, default=900.0, help="a host process exits after this (default 900)")
-    parser.add_argument("--budget", type=float, default=840.0, help="skip the remaining N past this many seconds (default 840)")
+    parser.add_argument(
+        "--host-deadline", type=float, default=900.0, help="a host process exits after this (default 900)"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=840.0, help="skip the remaining N past this many seconds (default 840)"
+    )
     parser.add_argument("--etcd-dir", default=None, help="where etcd keeps its data (default: a temp dir on /tmp)")
-    parser.add_argument("--keep-logs", action="store_true", help="keep each N's directory (host logs, membership.jsonl)")
-    parser.add_argument("--log-level", default="WARNING", help="agents' log level in host<i>/host.log (default WARNING)")
-    parser.add_argument("--sample", action="store_true", help="py-spy profile of the controller's host process and the last host, per window (py-spy needed)")
-    parser.add_argument("--plot", default=os.path.join(tempfile.gettempdir(), "rendezvous_bench.png"),
-                        help="PNG path (default /tmp/rendezvous_bench.png)")
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep each N's directory (host logs, membership.jsonl)"
+    )
+    parser.add_argument(
+        "--log-level", default="WARNING", help="agents' log level in host<i>/host.log (default WARNING)"
+    )
+    parser.add_argument(
+        "--sample",
+        action="store_true",
+        help="py-spy profile of the controller's host process and the last host, per window (py-spy needed)",
+    )
+    parser.add_argument(
+        "--plot",
+        default=os.path.join(tempfile.gettempdir(), "rendezvous_bench.png"),
+        help="PNG path (default /tmp/rendezvous_bench.png)",
+    )
     args = parser.parse_args(argv)
     args.agents = [int(n) for n in args.agents.split(",") if n.strip()]
     if any(n < 2 for n in args.agents):

@@ -29,8 +29,10 @@ def choose_placement(device: DeviceChoice, backend: BackendChoice, local_rank: i
         raise PlacementError("--device cuda: no CUDA device is visible here; pass --device cpu (or auto)")
     on_cuda = device == "cuda" or (device == "auto" and cuda_devices > 0)
     if on_cuda and local_rank >= cuda_devices:
-        raise PlacementError(f"local rank {local_rank} has no GPU of its own ({cuda_devices} visible): start at most "
-                             f"{cuda_devices} workers per node (--nproc-per-node gpu)")  # fmt: skip
+        raise PlacementError(
+            f"local rank {local_rank} has no GPU of its own ({cuda_devices} visible): start at most "
+            f"{cuda_devices} workers per node (--nproc-per-node gpu)"
+        )
     if backend == "nccl" and not on_cuda:
         raise PlacementError("--backend nccl needs CUDA tensors: pass --backend gloo (or auto) for --device cpu")
     chosen = backend if backend != "auto" else ("nccl" if on_cuda else "gloo")

@@ -74,9 +74,7 @@ def sample_rng(seed: int, step: int, index: int) -> AbstractContextManager[None]
     return seeded_rng(derive_seed(seed, step, index))
 
 
-def per_sample_dropout(
-    x: torch.Tensor, p: float, generators: Sequence[torch.Generator]
-) -> torch.Tensor:
+def per_sample_dropout(x: torch.Tensor, p: float, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """Dropout whose mask for row b is drawn from `generators[b]` alone.
 
     With ordinary dropout the mask of a sample depends on its position in the
@@ -87,7 +85,5 @@ def per_sample_dropout(
         return x
     if len(generators) != x.shape[0]:
         raise ValueError(f"per_sample_dropout needs one generator per row: {len(generators)} for {x.shape[0]} rows")
-    keep = torch.stack(
-        [torch.rand(x.shape[1:], generator=g, device="cpu") >= p for g in generators]
-    ).to(x.device)
+    keep = torch.stack([torch.rand(x.shape[1:], generator=g, device="cpu") >= p for g in generators]).to(x.device)
     return x * keep / (1.0 - p)

@@ -106,9 +106,7 @@ def passes_per_step(config: SamplingConfig, world_size: int) -> int:
     return math.ceil(largest_share / config.micro_batch)
 
 
-def rank_micro_batches(
-    config: SamplingConfig, global_batch: list[int], world_size: int, rank: int
-) -> list[MicroBatch]:
+def rank_micro_batches(config: SamplingConfig, global_batch: list[int], world_size: int, rank: int) -> list[MicroBatch]:
     """Split `rank`'s share of `global_batch` into the step's common number of passes."""
     start, stop = share_bounds(len(global_batch), world_size, rank)
     share = global_batch[start:stop]
@@ -180,7 +178,9 @@ class ElasticSampler(Sampler[list[int]]):
         seed = int(state_dict["seed"])
         if seed != self.config.seed:
             # The committed history was drawn with the checkpointed seed; switching would repeat and skip samples.
-            logger.warning("continuing with the checkpointed sampling seed %d, not the configured %d", seed, self.config.seed)
+            logger.warning(
+                "continuing with the checkpointed sampling seed %d, not the configured %d", seed, self.config.seed
+            )
             self.config = self.config.model_copy(update={"seed": seed})
         self.samples_consumed = samples_consumed
 
@@ -189,5 +189,7 @@ class ElasticSampler(Sampler[list[int]]):
         self.samples_consumed = step * self.config.global_batch
         logger.info(
             "sampler progress regenerated from step %d: %d samples consumed, epoch %d",
-            step, self.samples_consumed, self.epoch,
+            step,
+            self.samples_consumed,
+            self.epoch,
         )

@@ -39,10 +39,10 @@ Layout (little-endian, `SIZE` bytes; the writer bumps `seq` to odd before a chan
 | 40     | last_beat    | f64       | CLOCK_MONOTONIC of the last heartbeat (informational)                 |
 | 48     | op_depth     | u32       | long operations in progress (nested or in several threads)            |
 | 56     | ring_total   | u64       | step intervals recorded so far                                        |
-| 64     | op_timeout   | f64       | the largest `timeout=` of the operations in progress (NaN: the agent's default; inf: unlimited) |
+| 64     | op_timeout   | f64       | largest `timeout=` of operations in progress (NaN: default; inf: none) |
 | 72     | op_started   | f64       | CLOCK_MONOTONIC when the outermost one began (informational)          |
 | 80     | op_name      | 48s       | its name, UTF-8, NUL-padded                                           |
-| 128    | ring         | f64 x 100 | the last `WINDOW` step intervals (between heartbeats, less the time inside long operations), by `ring_total % WINDOW` |
+| 128    | ring         | f64 x 100 | last `WINDOW` step intervals (less long operations), ring order      |
 | 928    | drain_request| u64       | written by the agent: the drain it asks for (0: none), see below      |
 | 936    | drain_done   | u64       | the last drain this worker committed a checkpoint for                 |
 | 944    | drain_step   | i64       | that checkpoint's step                                                |
@@ -158,8 +158,22 @@ def parse(raw: bytes) -> Snapshot | None:
     """A snapshot from the channel's bytes; None when they are not a channel of this layout."""
     if len(raw) < _SNAPSHOT.size:
         return None
-    (magic, version, pid, dump_signal, seq, beats, last_step, _last_beat, depth, total, op_timeout, _op_started,
-     op_name, *ring) = _SNAPSHOT.unpack_from(raw)  # fmt: skip
+    (
+        magic,
+        version,
+        pid,
+        dump_signal,
+        seq,
+        beats,
+        last_step,
+        _last_beat,
+        depth,
+        total,
+        op_timeout,
+        _op_started,
+        op_name,
+        *ring,
+    ) = _SNAPSHOT.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         return None
     count = min(total, WINDOW)
@@ -168,9 +182,15 @@ def parse(raw: bytes) -> Snapshot | None:
     if depth:
         name = op_name.rstrip(b"\0").decode(errors="replace")
         long_op = LongOp(name, None if math.isnan(op_timeout) else op_timeout)
-    return Snapshot(pid=pid, dump_signal=dump_signal, seq=seq, beats=beats,
-                    last_step=None if last_step == NO_STEP else last_step, intervals=intervals,
-                    long_op=long_op)  # fmt: skip
+    return Snapshot(
+        pid=pid,
+        dump_signal=dump_signal,
+        seq=seq,
+        beats=beats,
+        last_step=None if last_step == NO_STEP else last_step,
+        intervals=intervals,
+        long_op=long_op,
+    )
 
 
 def read_seq(view) -> int:
@@ -182,7 +202,7 @@ def read(view) -> Snapshot | None:
     """A consistent snapshot of a mapped channel (seqlock); a torn one after a few tries: `seq` still tells."""
     raw = b""
     for _ in range(4):
-        raw = bytes(view[:_SNAPSHOT.size])
+        raw = bytes(view[: _SNAPSHOT.size])
         seq = _U64.unpack_from(raw, OFF_SEQ)[0]
         if seq % 2 == 0 and _U64.unpack_from(view, OFF_SEQ)[0] == seq:
             break
@@ -403,7 +423,7 @@ class long_operation:
         self.timeout = None if timeout is None else float(timeout)
         self._tokens: list = []  # one per entry in progress: the same object may be entered again, nested
 
-    def __enter__(self) -> "long_operation":
+    def __enter__(self) -> long_operation:
         channel = _channel if _channel is not None else _current()
         self._tokens.append((channel, channel.begin(self.name, self.timeout)))
         return self

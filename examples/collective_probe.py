@@ -54,8 +54,16 @@ def main() -> None:
         if value.item() != world_size * (world_size + 1) / 2:
             raise RuntimeError(f"all_reduce gave {value.item()} in a world of {world_size}")
         if log:
-            entry = dict(time=time.time(), rank=rank, world_size=world_size, round=round_, restarts=restarts, step=step,
-                         pid=os.getpid(), master_port=int(os.environ["MASTER_PORT"]))
+            entry = dict(
+                time=time.time(),
+                rank=rank,
+                world_size=world_size,
+                round=round_,
+                restarts=restarts,
+                step=step,
+                pid=os.getpid(),
+                master_port=int(os.environ["MASTER_PORT"]),
+            )
             log.write(json.dumps(entry) + "\n")
             log.flush()
         heartbeat(step)

@@ -35,16 +35,42 @@ AGENT_EXIT_GRACE_S = 15.0
 GLOBAL_BATCH = 48
 
 
-def start_node(endpoint: str, node: str, nnodes: str, nproc: int, work: Path, train_args: list[str]) -> subprocess.Popen:
+def start_node(
+    endpoint: str, node: str, nnodes: str, nproc: int, work: Path, train_args: list[str]
+) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "launcher.cli", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-        "--rdzv-endpoint", endpoint, "--rdzv-id", "scenario", "--rdzv-conf", RDZV_CONF, "--node-id", node,
-        "--log-dir", str(work / "logs" / node), "--tee", "1", "--local-ranks-filter", "0",
-        str(REPO / "examples" / "train.py"), *train_args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "launcher.cli",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "scenario",
+        "--rdzv-conf",
+        RDZV_CONF,
+        "--node-id",
+        node,
+        "--log-dir",
+        str(work / "logs" / node),
+        "--tee",
+        "1",
+        "--local-ranks-filter",
+        "0",
+        str(REPO / "examples" / "train.py"),
+        *train_args,
+    ]
     print(f"$ elastic-run --node-id {node} ... ({nproc} workers)", flush=True)
-    return subprocess.Popen(command, cwd=REPO, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stderr=open(work / f"{node}.err", "w"))  # fmt: skip
+    return subprocess.Popen(
+        command,
+        cwd=REPO,
+        start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stderr=open(work / f"{node}.err", "w"),
+    )
 
 
 def steps_done(sample_log: Path) -> list[dict]:
@@ -97,8 +123,12 @@ def print_failure(work: Path, agents: list[subprocess.Popen]) -> None:
 
 def print_membership_log(endpoint: str) -> None:
     print("\n== membership log (elastic-run log) ==", flush=True)
-    subprocess.run([sys.executable, "-m", "launcher.cli", "log", "--rdzv-endpoint", endpoint, "--rdzv-id", "scenario"],
-                   cwd=REPO, check=False, timeout=60)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "log", "--rdzv-endpoint", endpoint, "--rdzv-id", "scenario"],
+        cwd=REPO,
+        check=False,
+        timeout=60,
+    )
 
 
 def report(endpoint: str, sample_log: Path, global_batch: int) -> None:
@@ -118,8 +148,10 @@ def report(endpoint: str, sample_log: Path, global_batch: int) -> None:
     for world, steps in worlds.items():
         print(f"world size {world:3d}: steps {min(steps)}..{max(steps)}")
     used = [i for _, samples in latest.values() for i in samples]
-    print(f"{len(latest)} steps: {len(used)} samples used, {len(set(used))} distinct, "
-          f"{len(latest) * global_batch} expected")  # fmt: skip
+    print(
+        f"{len(latest)} steps: {len(used)} samples used, {len(set(used))} distinct, "
+        f"{len(latest) * global_batch} expected"
+    )
     rounds_of: dict[int, set[int]] = {}
     for record in steps_done(sample_log):
         rounds_of.setdefault(record["step"], set()).add(record["round"])
@@ -131,23 +163,47 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix=f"elastic-{args.scenario}-"))
     work.mkdir(parents=True, exist_ok=True)
     sample_log = work / "samples.jsonl"
-    train_args = ["--steps", str(args.steps), "--ckpt-dir", str(work / "ckpt"), "--ckpt-every", "10",
-                  "--sample-log", str(sample_log), "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "16"]  # fmt: skip
+    train_args = [
+        "--steps",
+        str(args.steps),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--ckpt-every",
+        "10",
+        "--sample-log",
+        str(sample_log),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--micro-batch",
+        "16",
+    ]
     nodes: list[subprocess.Popen] = []
     with EtcdServer() as etcd:
         try:
             if args.scenario == "grow":
                 nodes += [start_node(etcd.endpoint, f"node{i}", "2:4", 4, work, train_args) for i in range(2)]
-                wait_until(lambda: any(r["world_size"] == 8 and r["step"] >= 15 for r in steps_done(sample_log)), 600,
-                           "8 workers to train", nodes)  # fmt: skip
+                wait_until(
+                    lambda: any(r["world_size"] == 8 and r["step"] >= 15 for r in steps_done(sample_log)),
+                    600,
+                    "8 workers to train",
+                    nodes,
+                )
                 print("\n>>> two more nodes join the running job", flush=True)
                 nodes += [start_node(etcd.endpoint, f"node{i}", "2:4", 4, work, train_args) for i in range(2, 4)]
-                wait_until(lambda: any(r["world_size"] == 16 for r in steps_done(sample_log)), 600,
-                           "16 workers to train", nodes)  # fmt: skip
+                wait_until(
+                    lambda: any(r["world_size"] == 16 for r in steps_done(sample_log)),
+                    600,
+                    "16 workers to train",
+                    nodes,
+                )
             else:
                 nodes += [start_node(etcd.endpoint, f"node{i}", "2:3", 2, work, train_args) for i in range(3)]
-                wait_until(lambda: any(r["world_size"] == 6 and r["step"] >= 15 for r in steps_done(sample_log)), 600,
-                           "6 workers to train", nodes)  # fmt: skip
+                wait_until(
+                    lambda: any(r["world_size"] == 6 and r["step"] >= 15 for r in steps_done(sample_log)),
+                    600,
+                    "6 workers to train",
+                    nodes,
+                )
                 victim = nodes[2]
                 if args.scenario == "kill-node":
                     print(f"\n>>> SIGKILL node2 (agent pid {victim.pid}; its workers die with it)", flush=True)

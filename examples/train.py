@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
@@ -48,8 +48,10 @@ except ImportError as exc:
     # Anything else (a missing dependency of the library, a bug in it) keeps its full traceback.
     if exc.name != "elastic" and not (exc.name or "").startswith("elastic."):
         raise
-    sys.exit(f"train.py: cannot import the elastic library ({exc}); install the project: pip install -e . "
-             "(in the repository root)")  # fmt: skip
+    sys.exit(
+        f"train.py: cannot import the elastic library ({exc}); install the project: pip install -e . "
+        "(in the repository root)"
+    )
 
 logger = logging.getLogger("train")
 
@@ -64,15 +66,23 @@ class TrainConfig(BaseModel):
 
     steps: int = Field(300, gt=0, description="total optimizer steps; the LR schedule spans them")
     global_batch: int = Field(32, gt=0, description="sequences per step over all ranks, whatever the world size")
-    micro_batch: int | None = Field(None, gt=0, description="most sequences per forward pass; more become gradient "
-                                    "accumulation (default: a rank's whole share in one pass)")
+    micro_batch: int | None = Field(
+        None,
+        gt=0,
+        description="most sequences per forward pass; more become gradient "
+        "accumulation (default: a rank's whole share in one pass)",
+    )
     lr: float = Field(3e-3, gt=0, description="peak learning rate of AdamW")
-    warmup_steps: int | None = Field(None, ge=0, description="linear warm-up before the cosine decay (default: a tenth of --steps)")
+    warmup_steps: int | None = Field(
+        None, ge=0, description="linear warm-up before the cosine decay (default: a tenth of --steps)"
+    )
     seed: int = Field(0, ge=0, description="seed of the model init, the data order and per-sample dropout")
     ckpt_dir: Path | None = Field(None, description="checkpoint directory shared by all ranks; none: no checkpoints")
     ckpt_every: int = Field(50, gt=0, description="save a checkpoint every this many steps")
     stop_at: int | None = Field(None, gt=0, description="exit 0 once the checkpoint of this step is committed")
-    crash_at: int | None = Field(None, gt=0, description="simulate a failure: rank 0 dies after this step, in round 0 only")
+    crash_at: int | None = Field(
+        None, gt=0, description="simulate a failure: rank 0 dies after this step, in round 0 only"
+    )
     sample_log: Path | None = Field(None, description="append one JSON line per rank and step: samples, loss, lr")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank")
     seq_len: int = Field(64, gt=1, description="characters per training sequence")
@@ -81,8 +91,12 @@ class TrainConfig(BaseModel):
     d_model: int = Field(64, gt=0, description="width of the residual stream")
     dropout: float = Field(0.1, ge=0.0, lt=1.0, description="per-sample dropout on embeddings and residual branches")
     corpus_chars: int = Field(200_000, gt=0, description="size of the generated text corpus")
-    device: DeviceChoice = Field("auto", description="auto (cuda:LOCAL_RANK where CUDA is present, else cpu), cpu or cuda")
-    backend: BackendChoice = Field("auto", description="process-group backend: auto (nccl on CUDA, gloo on cpu), gloo or nccl")
+    device: DeviceChoice = Field(
+        "auto", description="auto (cuda:LOCAL_RANK where CUDA is present, else cpu), cpu or cuda"
+    )
+    backend: BackendChoice = Field(
+        "auto", description="process-group backend: auto (nccl on CUDA, gloo on cpu), gloo or nccl"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -96,11 +110,15 @@ class TrainConfig(BaseModel):
         if self.warmup_steps is not None and self.warmup_steps > self.steps:
             problems.append(f"--warmup-steps ({self.warmup_steps}) exceeds --steps ({self.steps})")
         if self.micro_batch is not None and self.micro_batch > self.global_batch:
-            problems.append(f"--micro-batch ({self.micro_batch}) is larger than --global-batch ({self.global_batch}); "
-                            "drop it to take a rank's share in one pass")  # fmt: skip
+            problems.append(
+                f"--micro-batch ({self.micro_batch}) is larger than --global-batch ({self.global_batch}); "
+                "drop it to take a rank's share in one pass"
+            )
         if self.corpus_chars <= self.seq_len:
-            problems.append(f"--corpus-chars ({self.corpus_chars}) must exceed --seq-len ({self.seq_len}): not one "
-                            "training sequence fits")  # fmt: skip
+            problems.append(
+                f"--corpus-chars ({self.corpus_chars}) must exceed --seq-len ({self.seq_len}): not one "
+                "training sequence fits"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -110,7 +128,10 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, field in TrainConfig.model_fields.items():
         parser.add_argument(
-            "--" + name.replace("_", "-"), type=_flag_type(field.annotation), default=field.default, help=field.description
+            "--" + name.replace("_", "-"),
+            type=_flag_type(field.annotation),
+            default=field.default,
+            help=field.description,
         )
     try:
         return TrainConfig(**vars(parser.parse_args(argv)))
@@ -220,7 +241,9 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = per_sample_dropout(self.token_embedding(tokens) + self.position_embedding(positions), self.dropout, generators)
+        x = per_sample_dropout(
+            self.token_embedding(tokens) + self.position_embedding(positions), self.dropout, generators
+        )
         for block in self.blocks:
             x = block(x, generators)
         return self.head(self.final_norm(x))
@@ -237,7 +260,11 @@ def shard(model: GPT, mesh: DeviceMesh) -> None:
 
 
 def train_step(
-    model: GPT, plan: list[MicroBatch], batches: Iterator[tuple[torch.Tensor, torch.Tensor]], seed: int, step: int,
+    model: GPT,
+    plan: list[MicroBatch],
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    seed: int,
+    step: int,
     device: torch.device,
 ) -> tuple[float, list[int]]:
     """Forward/backward every pass of this rank's share; returns the share's summed loss and its samples.
@@ -307,14 +334,21 @@ def main(config: TrainConfig) -> None:
         return
     if rank == 0:
         logger.info(
-            "round %d: %d ranks, %d sequences of %d characters, global batch %d, forward passes per step: %d, from step %d",
-            round_number, world_size, len(dataset), config.seq_len, config.global_batch,
-            len(sampler.step_plan()), start,
+            "round %d: %d ranks, %d sequences of %d characters, global batch %d, forward passes per step: %d, "
+            "from step %d",
+            round_number,
+            world_size,
+            len(dataset),
+            config.seq_len,
+            config.global_batch,
+            len(sampler.step_plan()),
+            start,
         )
 
     seed = sampler.config.seed  # a resumed run keeps the checkpointed seed, whatever --seed says
-    batches = iter(DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers,
-                              pin_memory=device.type == "cuda"))  # fmt: skip
+    batches = iter(
+        DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers, pin_memory=device.type == "cuda")
+    )
     for step in range(start + 1, config.steps + 1):
         started = time.perf_counter()
         seed_all(derive_seed(seed, step))  # global RNG state is a function of the step, never checkpointed
@@ -329,12 +363,22 @@ def main(config: TrainConfig) -> None:
         dist.all_reduce(total)
         loss = total.item() / config.global_batch
         if config.sample_log:
-            record = {"step": step, "rank": rank, "world_size": world_size, "round": round_number,
-                      "samples": samples, "loss": loss, "lr": lr}  # fmt: skip
+            record = {
+                "step": step,
+                "rank": rank,
+                "world_size": world_size,
+                "round": round_number,
+                "samples": samples,
+                "loss": loss,
+                "lr": lr,
+            }
             append_sample_log(config.sample_log, record)
         if rank == 0:
             rate = config.global_batch / (time.perf_counter() - started)
-            print(f"step {step:5d} | loss {loss:.4f} | lr {lr:.3e} | world {world_size} | {rate:7.1f} samples/s", flush=True)
+            print(
+                f"step {step:5d} | loss {loss:.4f} | lr {lr:.3e} | world {world_size} | {rate:7.1f} samples/s",
+                flush=True,
+            )
 
         if config.crash_at == step and round_number == 0 and rank == 0:
             logger.error("simulated failure after step %d (--crash-at)", step)

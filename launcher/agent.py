@@ -45,8 +45,8 @@ from launcher.records import (
     NodeRecord,
     RoundHeader,
 )
-from launcher.watch import RangeMirror
 from launcher.warm_workers import WarmPool
+from launcher.watch import RangeMirror
 from launcher.watchdog import StartupHistory
 from launcher.workers import WorkerGroup, WorkerOutcome, node_worker_env
 
@@ -124,8 +124,15 @@ class Agent:
         self.mirror: RangeMirror | None = None
         self.liveness: LivenessServer | None = None  # answers the controller's probes while this agent lives
         # the next round's workers, pre-started with torch imported (None: every worker starts cold)
-        self.warm = WarmPool(node_worker_env(self.addr, config.nproc_per_node), config.nproc_per_node,
-                             [config.entrypoint, *config.args]) if config.starts_warm else None  # fmt: skip
+        self.warm = (
+            WarmPool(
+                node_worker_env(self.addr, config.nproc_per_node),
+                config.nproc_per_node,
+                [config.entrypoint, *config.args],
+            )
+            if config.starts_warm
+            else None
+        )
         self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
         self._controller: threading.Thread | None = None
         self._stop_controller = threading.Event()
@@ -175,8 +182,14 @@ class Agent:
         while True:
             lease = self.store.grant_lease(self.config.rdzv.lease_ttl)
             self.liveness.incarnation = lease.id
-            record = NodeRecord(node=self.node_id, addr=self.addr, nproc=self.config.nproc_per_node, lease=lease.id,
-                                pid=os.getpid(), probe_port=self.liveness.port)  # fmt: skip
+            record = NodeRecord(
+                node=self.node_id,
+                addr=self.addr,
+                nproc=self.config.nproc_per_node,
+                lease=lease.id,
+                pid=os.getpid(),
+                probe_port=self.liveness.port,
+            )
             try:
                 self.store.register(record)
                 break
@@ -248,8 +261,12 @@ class Agent:
         if run.member is not None:
             self._follow_drain(run, view.drains.get(run.record.round))
         rollcall = view.rollcalls.get(run.record.round)
-        if rollcall is not None and run.member is not None and run.answered_rollcall != rollcall.nonce \
-                and not self._reporting_hang(run):  # fmt: skip
+        if (
+            rollcall is not None
+            and run.member is not None
+            and run.answered_rollcall != rollcall.nonce
+            and not self._reporting_hang(run)
+        ):
             if self.store.answer_rollcall(run.record.round, run.revision, self.node_id, rollcall.nonce):
                 run.answered_rollcall = rollcall.nonce
 
@@ -262,8 +279,12 @@ class Agent:
     def _fence(self) -> None:
         """Kill our workers now; end this incarnation once etcd answers, then rejoin as a newcomer."""
         if not self._fenced:
-            logger.warning("etcd has not confirmed this node's lease for %.1fs of its %ds: killing the workers "
-                           "before the job moves on without them", self.keeper.silent_for(), self.lease.ttl)  # fmt: skip
+            logger.warning(
+                "etcd has not confirmed this node's lease for %.1fs of its %ds: killing the workers "
+                "before the job moves on without them",
+                self.keeper.silent_for(),
+                self.lease.ttl,
+            )
             self._fenced = True
             self._stop_workers(signal.SIGKILL)
         try:
@@ -283,8 +304,11 @@ class Agent:
             return
         self._etcd_down_since = self._etcd_down_since or now
         if now - self._etcd_down_since >= _ETCD_WARN_AFTER_S and now - self._etcd_warned_at >= _ETCD_WARN_AFTER_S:
-            logger.warning("etcd %s unreachable for %.0fs; workers keep running", self.config.rdzv_endpoint,
-                           now - self._etcd_down_since)  # fmt: skip
+            logger.warning(
+                "etcd %s unreachable for %.0fs; workers keep running",
+                self.config.rdzv_endpoint,
+                now - self._etcd_down_since,
+            )
             self._etcd_warned_at = now
 
     # -- the controller key ----------------------------------------------------------------------------------
@@ -296,8 +320,9 @@ class Agent:
             return
         self._stop_controller = threading.Event()
         controller = Controller(self.store, holder, self.config, self.log)
-        self._controller = threading.Thread(target=controller.run, args=(self._stop_controller,),
-                                            name="round-controller", daemon=True)  # fmt: skip
+        self._controller = threading.Thread(
+            target=controller.run, args=(self._stop_controller,), name="round-controller", daemon=True
+        )
         self._controller.start()
 
     def _maybe_claim_controller(self, view: JobView) -> None:
@@ -326,22 +351,30 @@ class Agent:
         if miss is None or not miss.certain:
             return  # alive, or maybe only slow: its lease decides
         if self.store.depose_controller(holder, miss.reason, self.node_id):
-            logger.warning("the controller (node %s) is gone (%s): ended its lease so a standby takes over now",
-                           holder.node, miss.reason)  # fmt: skip
+            logger.warning(
+                "the controller (node %s) is gone (%s): ended its lease so a standby takes over now",
+                holder.node,
+                miss.reason,
+            )
 
     # -- rounds ----------------------------------------------------------------------------------------------
     def _enter_round(self, record: RoundHeader, revision: int) -> None:
         member = self.store.read_member(record, self.node_id, self.record.lease)
         if self.run_ is not None and self.run_.workers is not None:
-            logger.info("round %d (%s): stopping the workers of round %d", record.round, record.reason,
-                        self.run_.record.round)  # fmt: skip
+            logger.info(
+                "round %d (%s): stopping the workers of round %d", record.round, record.reason, self.run_.record.round
+            )
         self._stop_workers()
         phase = Phase.STARTING if member is not None else Phase.WAITING
         self.run_ = RoundRun(record=record, revision=revision, member=member, phase=phase)
         if member is None:
-            logger.info("round %d formed without this incarnation of node %s: waiting as a spare for the next "
-                        "round (at most %d nodes take part, or the round formed before it joined)", record.round,
-                        self.node_id, self.config.max_nodes)  # fmt: skip
+            logger.info(
+                "round %d formed without this incarnation of node %s: waiting as a spare for the next "
+                "round (at most %d nodes take part, or the round formed before it joined)",
+                record.round,
+                self.node_id,
+                self.config.max_nodes,
+            )
 
     def _start_workers(self, run: RoundRun, master: MasterRecord | None) -> None:
         member = run.member
@@ -364,11 +397,21 @@ class Agent:
         if outcome is WorkerOutcome.FAILED:
             for failure in failures:
                 if failure.hung:
-                    logger.error("round %d: worker local_rank %d (rank %d) %s", failure.round, failure.local_rank,
-                                 failure.rank, failure.message)  # fmt: skip
+                    logger.error(
+                        "round %d: worker local_rank %d (rank %d) %s",
+                        failure.round,
+                        failure.local_rank,
+                        failure.rank,
+                        failure.message,
+                    )
                     continue
-                logger.error("round %d: worker local_rank %d (rank %d) failed with exit code %d", failure.round,
-                             failure.local_rank, failure.rank, failure.exit_code)  # fmt: skip
+                logger.error(
+                    "round %d: worker local_rank %d (rank %d) failed with exit code %d",
+                    failure.round,
+                    failure.local_rank,
+                    failure.rank,
+                    failure.exit_code,
+                )
             self._stop_workers()  # peers of a failed worker usually hang in their next collective
             run.pending_report = NodeFailure(node=self.node_id, round=run.record.round, failures=failures)
             run.failed = True
@@ -403,8 +446,11 @@ class Agent:
         answer = DrainReport(number=request.number, step=None)  # no workers running: nothing to drain
         if run.workers is not None and run.phase is Phase.RUNNING:
             if run.drain_asked != request.number:
-                logger.info("round %d: drain before %s: asking the workers to checkpoint at their next step",
-                            run.record.round, request.reason)  # fmt: skip
+                logger.info(
+                    "round %d: drain before %s: asking the workers to checkpoint at their next step",
+                    run.record.round,
+                    request.reason,
+                )
                 run.workers.request_drain(request.number)
                 run.drain_asked = request.number
             answer = run.workers.drain_answer(request.number)
@@ -422,8 +468,9 @@ class Agent:
 
     # -- leaving ---------------------------------------------------------------------------------------------
     def _rejoin(self, why: str) -> None:
-        logger.warning("node %s lost its membership (%s): stopping workers and rejoining as a newcomer", self.node_id,
-                       why)  # fmt: skip
+        logger.warning(
+            "node %s lost its membership (%s): stopping workers and rejoining as a newcomer", self.node_id, why
+        )
         self._stop_controller.set()
         self._stop_workers()
         self.keeper.stop()
@@ -468,16 +515,22 @@ class Agent:
             if run.drain_answered:
                 return
             self.mirror.wait(seen, self.config.monitor_interval)
-        logger.warning("the workers did not drain within --drain-timeout %gs; leaving anyway (the next round redoes "
-                       "the steps since the last checkpoint)", self.config.drain_timeout)  # fmt: skip
+        logger.warning(
+            "the workers did not drain within --drain-timeout %gs; leaving anyway (the next round redoes "
+            "the steps since the last checkpoint)",
+            self.config.drain_timeout,
+        )
 
     def _give_up(self) -> int:
         """etcd has not answered for longer than a node may wait to join: nothing can go on without it."""
         self._stop_workers(signal.SIGKILL)  # fenced long ago, unless they outlived that
-        print(f"elastic-run: etcd {self.config.rdzv_endpoint or '(standalone)'} has not answered for "
-              f"{self.keeper.silent_for():.0f}s, longer than the lease ({self.lease.ttl}s) plus join_timeout "
-              f"({self.config.rdzv.join_timeout:g}s): giving up; start this node again once etcd is back",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"elastic-run: etcd {self.config.rdzv_endpoint or '(standalone)'} has not answered for "
+            f"{self.keeper.silent_for():.0f}s, longer than the lease ({self.lease.ttl}s) plus join_timeout "
+            f"({self.config.rdzv.join_timeout:g}s): giving up; start this node again once etcd is back",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
 
     def _job_over(self, status: JobStatus) -> int:
@@ -498,11 +551,19 @@ class Agent:
 
     def _job_already_over(self, status: JobStatus) -> int:
         if status.state == "finished":
-            print(f"elastic-run: job {self.config.rdzv_id} already finished; nothing to do "
-                  "(use a new --rdzv-id to start another)", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"elastic-run: job {self.config.rdzv_id} already finished; nothing to do "
+                "(use a new --rdzv-id to start another)",
+                file=sys.stderr,
+                flush=True,
+            )
             return 0
-        print(f"elastic-run: job {self.config.rdzv_id} already failed: {status.summary.splitlines()[0]}; "
-              "use a new --rdzv-id to start again", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"elastic-run: job {self.config.rdzv_id} already failed: {status.summary.splitlines()[0]}; "
+            "use a new --rdzv-id to start again",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
 
     def _sync_log(self) -> None:

@@ -1,4 +1,5 @@
-"""`elastic-run`: torchrun's command line, an etcd v3 rendezvous behind it. `elastic-run log` reads the membership log."""
+"""`elastic-run`: torchrun's command line, an etcd v3 rendezvous behind it. `elastic-run log` reads the membership
+log."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ UNSUPPORTED_FLAGS = {
     "numa-binding": "not implemented",
     "virtual-local-rank": "not implemented",
     "local-rank": "it is what torch.distributed.launch passes to a script; elastic-run, like torchrun, sets "
-                  "LOCAL_RANK in each worker's environment",
+    "LOCAL_RANK in each worker's environment",
 }
 RDZV_BACKENDS = {"etcd", "etcd-v3"}
 
@@ -58,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="elastic-run",
         allow_abbrev=False,  # a script flag such as --log must never be read as a prefix of ours
         description="Fault-tolerant, elastic drop-in for torchrun: rendezvous in etcd v3, rounds re-formed on node "
-        "loss, worker failure or scale-up. `elastic-run log --help` shows the membership log; `elastic-run purge --help` "
-        "deletes a finished job's keys.",
+        "loss, worker failure or scale-up. `elastic-run log --help` shows the membership log; "
+        "`elastic-run purge --help` deletes a finished job's keys.",
     )
 
     def add(*names: str, dest: str, default=None, **kwargs) -> None:
@@ -78,54 +79,106 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rdzv-backend", dest="rdzv_backend", default="etcd", help="etcd (v3 API; also spelled etcd-v3)")
     add("--rdzv-endpoint", dest="rdzv_endpoint", default="", help="etcd host:port, or a comma-separated list")
     add("--rdzv-id", dest="rdzv_id", default=None, help="job id: every agent of one job passes the same")
-    add("--rdzv-conf", dest="rdzv_conf", default="", help="k=v,... keep_alive_interval, keep_alive_max_attempt, "
+    add(
+        "--rdzv-conf",
+        dest="rdzv_conf",
+        default="",
+        help="k=v,... keep_alive_interval, keep_alive_max_attempt, "
         "join_timeout, last_call_timeout, close_timeout, max_events, quarantine_after, quarantine_cooldown, "
-        "probe_timeout; for a secured etcd: cacert, cert, key, user (password from ELASTIC_ETCD_PASSWORD)")  # fmt: skip
+        "probe_timeout; for a secured etcd: cacert, cert, key, user (password from ELASTIC_ETCD_PASSWORD)",
+    )
     add("--standalone", dest="standalone", action="store_true", help="run a private etcd on free loopback ports")
     add("--max-restarts", dest="max_restarts", default="0", help="worker failures tolerated, job-wide (default 0)")
     add("--monitor-interval", dest="monitor_interval", default="0.1", help="seconds between worker checks")
-    add("--start-method", dest="start_method", default="spawn", choices=["spawn", "fork", "forkserver"],
-        help="accepted for torchrun compatibility; scripts always start as new processes")  # fmt: skip
+    add(
+        "--start-method",
+        dest="start_method",
+        default="spawn",
+        choices=["spawn", "fork", "forkserver"],
+        help="accepted for torchrun compatibility; scripts always start as new processes",
+    )
     add("--role", dest="role", default="default", help="worker role name (ROLE_NAME)")
     add("-m", "--module", dest="module", action="store_true", help="run the script as a Python module")
     add("--no-python", dest="no_python", action="store_true", help="run the script as an executable")
-    add("--no-warm-workers", dest="no_warm_workers", action="store_true",
+    add(
+        "--no-warm-workers",
+        dest="no_warm_workers",
+        action="store_true",
         help="start every worker as a new interpreter; by default each local rank's next worker waits pre-started "
-             "with torch imported, which saves seconds at every restart (never with -m or --no-python)")  # fmt: skip
+        "with torch imported, which saves seconds at every restart (never with -m or --no-python)",
+    )
     add("--log-dir", dest="log_dir", default=None, help="worker logs and membership.jsonl (default: a temp dir)")
     add("-r", "--redirects", dest="redirects", default="0", help="worker streams to files: 0-3 or local_rank:v,...")
     add("-t", "--tee", dest="tee", default="0", help="worker streams to files and console: 0-3 or local_rank:v,...")
     add("--local-ranks-filter", dest="local_ranks_filter", default="", help="local ranks whose tee'd output shows")
     add("--local-addr", dest="local_addr", default=None, help="address other nodes reach this node at")
-    add("--signals-to-handle", dest="signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        help="signals forwarded to workers before the agent leaves")  # fmt: skip
+    add(
+        "--signals-to-handle",
+        dest="signals_to_handle",
+        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="signals forwarded to workers before the agent leaves",
+    )
     add("--node-id", dest="node_id", default=None, help="this agent's name in the job (default: hostname_pid)")
-    add("--shutdown-timeout", "--worker-stop-timeout", dest="shutdown_timeout",
+    add(
+        "--shutdown-timeout",
+        "--worker-stop-timeout",
+        dest="shutdown_timeout",
         default=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"),
         help="seconds between SIGTERM and SIGKILL when stopping workers (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
-             "or 30)")  # fmt: skip
-    add("--event-log-handler", dest="event_log_handler", default="null",
-        help="torchrun's event handler: only null (events go to elastic-run's membership log: elastic-run log)")
-    add("--duplicate-stdout-filters", dest="duplicate_stdout_filters", default=[],
+        "or 30)",
+    )
+    add(
+        "--event-log-handler",
+        dest="event_log_handler",
+        default="null",
+        help="torchrun's event handler: only null (events go to elastic-run's membership log: elastic-run log)",
+    )
+    add(
+        "--duplicate-stdout-filters",
+        dest="duplicate_stdout_filters",
+        default=[],
         help="lines of the workers' stdout containing any of these comma-separated strings (,, escapes a comma) are "
-             "also written to <log-dir>/<node>/attempt_<round>/filtered_stdout.log")  # fmt: skip
-    add("--duplicate-stderr-filters", dest="duplicate_stderr_filters", default=[],
-        help="the same for stderr, into filtered_stderr.log")
-    add("--watchdog-timeout", dest="watchdog_timeout", default="auto",
+        "also written to <log-dir>/<node>/attempt_<round>/filtered_stdout.log",
+    )
+    add(
+        "--duplicate-stderr-filters",
+        dest="duplicate_stderr_filters",
+        default=[],
+        help="the same for stderr, into filtered_stderr.log",
+    )
+    add(
+        "--watchdog-timeout",
+        dest="watchdog_timeout",
+        default="auto",
         help="a worker that called elastic.heartbeat and is then silent this long is hung: its stacks are dumped "
-             "and it is killed, counted as a failure. SECONDS, auto (the larger of --watchdog-min and 10x its "
-             "slowest of the last 100 steps) or off (default auto)")  # fmt: skip
+        "and it is killed, counted as a failure. SECONDS, auto (the larger of --watchdog-min and 10x its "
+        "slowest of the last 100 steps) or off (default auto)",
+    )
     add("--watchdog-min", dest="watchdog_min", default="60", help="the least allowance under auto (default 60 s)")
-    add("--watchdog-long-op", dest="watchdog_long_op", default="1800",
-        help="allowance inside elastic.long_operation without its own timeout (default 1800 s)")  # fmt: skip
-    add("--drain-timeout", dest="drain_timeout", default="60",
+    add(
+        "--watchdog-long-op",
+        dest="watchdog_long_op",
+        default="1800",
+        help="allowance inside elastic.long_operation without its own timeout (default 1800 s)",
+    )
+    add(
+        "--drain-timeout",
+        dest="drain_timeout",
+        default="60",
         help="before a node joins or an agent told to stop leaves, the workers checkpoint at their next step and "
-             "wait, so nothing is redone; the change waits at most this long for it (default 60 s; 0: no "
-             "drain)")  # fmt: skip
+        "wait, so nothing is redone; the change waits at most this long for it (default 60 s; 0: no "
+        "drain)",
+    )
     for flag in UNSUPPORTED_FLAGS:
         # a value is optional: some of these are switches in torchrun; either way the flag is refused in one line
-        parser.add_argument(f"--{flag}", f"--{flag.replace('-', '_')}", dest=f"unsupported_{flag}", nargs="?",
-                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
+        parser.add_argument(
+            f"--{flag}",
+            f"--{flag.replace('-', '_')}",
+            dest=f"unsupported_{flag}",
+            nargs="?",
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
     parser.add_argument("training_script", nargs="?", default="", help="the script (or module) each worker runs")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="its arguments")
     return parser
@@ -155,11 +208,15 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         if hasattr(args, f"unsupported_{flag}"):
             raise ConfigError(f"elastic-run does not take --{flag}: {why}")
     if args.event_log_handler != "null":
-        raise ConfigError(f"--event-log-handler {args.event_log_handler}: elastic-run records every event in its "
-                          "membership log (elastic-run log); pass null or drop the flag")  # fmt: skip
+        raise ConfigError(
+            f"--event-log-handler {args.event_log_handler}: elastic-run records every event in its "
+            "membership log (elastic-run log); pass null or drop the flag"
+        )
     if args.rdzv_backend not in RDZV_BACKENDS:
-        raise ConfigError(f"--rdzv-backend {args.rdzv_backend}: elastic-run rendezvous only in etcd (v3 API); "
-                          "pass --rdzv-backend etcd or drop the flag")  # fmt: skip
+        raise ConfigError(
+            f"--rdzv-backend {args.rdzv_backend}: elastic-run rendezvous only in etcd (v3 API); "
+            "pass --rdzv-backend etcd or drop the flag"
+        )
     try:
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
         nproc = parse_nproc_per_node(str(args.nproc_per_node))
@@ -177,8 +234,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                 if not 0 < watchdog[name] < float("inf"):
                     raise ValueError
             except ValueError:
-                raise ValueError(f"bad --{name.replace('_', '-')} {getattr(args, name)!r}: expected positive "
-                                 "seconds") from None  # fmt: skip
+                raise ValueError(
+                    f"bad --{name.replace('_', '-')} {getattr(args, name)!r}: expected positive seconds"
+                ) from None
     except ValidationError as exc:
         raise ConfigError(one_line(exc, prefix="--rdzv-conf ")) from None
     except KeyError as exc:
@@ -188,18 +246,40 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
     script = args.training_script
     if script and not args.module and not args.no_python and not Path(script).is_file():
-        raise ConfigError(f"training script {script!r} not found (run from the directory that holds it, or fix the path)")
+        raise ConfigError(
+            f"training script {script!r} not found (run from the directory that holds it, or fix the path)"
+        )
     rdzv_id = args.rdzv_id or (uuid.uuid4().hex[:12] if args.standalone else "none")
     fields = dict(
-        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=rdzv_id, rdzv=rdzv, etcd_security=security, standalone=args.standalone, max_restarts=args.max_restarts,
-        monitor_interval=args.monitor_interval, worker_stop_timeout=args.shutdown_timeout, log_dir=args.log_dir,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=rdzv_id,
+        rdzv=rdzv,
+        etcd_security=security,
+        standalone=args.standalone,
+        max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval,
+        worker_stop_timeout=args.shutdown_timeout,
+        log_dir=args.log_dir,
         duplicate_stdout_filters=comma_separated(args.duplicate_stdout_filters),
         duplicate_stderr_filters=comma_separated(args.duplicate_stderr_filters),
-        redirects=redirects, tee=tee, local_ranks_filter=ranks_filter, local_addr=args.local_addr, role=args.role,
-        signals_to_handle=signals, entrypoint=script, args=args.training_script_args, module=args.module,
-        no_python=args.no_python, warm_workers=not args.no_warm_workers, watchdog_timeout=watchdog_timeout, drain_timeout=args.drain_timeout, **watchdog,
-    )  # fmt: skip
+        redirects=redirects,
+        tee=tee,
+        local_ranks_filter=ranks_filter,
+        local_addr=args.local_addr,
+        role=args.role,
+        signals_to_handle=signals,
+        entrypoint=script,
+        args=args.training_script_args,
+        module=args.module,
+        no_python=args.no_python,
+        warm_workers=not args.no_warm_workers,
+        watchdog_timeout=watchdog_timeout,
+        drain_timeout=args.drain_timeout,
+        **watchdog,
+    )
     if args.node_id:
         fields["node_id"] = args.node_id
     try:
@@ -235,15 +315,23 @@ def run(config: LaunchConfig) -> int:
             JobStore(client, config.rdzv_id).check_access()
         except Exception as exc:
             etcd_client.close(client)
-            print(f"elastic-run: error: {etcd_client.explain(exc, config.rdzv_endpoint, config.etcd_security)}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"elastic-run: error: {etcd_client.explain(exc, config.rdzv_endpoint, config.etcd_security)}",
+                file=sys.stderr,
+            )
             return 1
         if config.log_dir is None:  # like torchrun: a fresh temp dir, created only once the job can start
             config = config.model_copy(update={"log_dir": Path(tempfile.mkdtemp(prefix=f"elastic_{config.rdzv_id}_"))})
         config.log_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("job %s on etcd %s: nodes %d:%d, %d worker(s) here, logs in %s", config.rdzv_id,
-                    config.rdzv_endpoint, config.min_nodes, config.max_nodes, config.nproc_per_node,
-                    config.log_dir)  # fmt: skip
+        logger.info(
+            "job %s on etcd %s: nodes %d:%d, %d worker(s) here, logs in %s",
+            config.rdzv_id,
+            config.rdzv_endpoint,
+            config.min_nodes,
+            config.max_nodes,
+            config.nproc_per_node,
+            config.log_dir,
+        )
         try:
             return Agent(config, client).run()
         finally:

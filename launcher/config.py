@@ -48,11 +48,19 @@ class RendezvousSettings(BaseModel):
     join_timeout: float = Field(600.0, gt=0, description="how long to wait for MIN nodes before the job fails")
     last_call_timeout: float = Field(30.0, ge=0, description="extra wait for more nodes once MIN are present")
     close_timeout: float = Field(30.0, gt=0, description="how long members of a new round have to start it")
-    max_events: int = Field(10000, ge=1, description="membership events etcd keeps per job (membership.jsonl keeps all)")
-    quarantine_after: int = Field(3, ge=0, description="consecutive failing rounds after which a node sits out (0: never)")
+    max_events: int = Field(
+        10000, ge=1, description="membership events etcd keeps per job (membership.jsonl keeps all)"
+    )
+    quarantine_after: int = Field(
+        3, ge=0, description="consecutive failing rounds after which a node sits out (0: never)"
+    )
     quarantine_cooldown: float = Field(300.0, ge=0, description="seconds a quarantined node is kept out of rounds")
-    probe_timeout: float = Field(0.5, ge=0, description="seconds a silent member's agent has to answer a liveness "
-                                 "probe when its peers' workers failed (0: no probes, the lease decides)")
+    probe_timeout: float = Field(
+        0.5,
+        ge=0,
+        description="seconds a silent member's agent has to answer a liveness "
+        "probe when its peers' workers failed (0: no probes, the lease decides)",
+    )
 
     @property
     def lease_ttl(self) -> int:
@@ -76,7 +84,7 @@ class EtcdSecurity(BaseModel):
     password: SecretStr | None = None
 
     @model_validator(mode="after")
-    def _complete(self) -> "EtcdSecurity":
+    def _complete(self) -> EtcdSecurity:
         if (self.cert is None) != (self.key is None):
             raise ValueError("cert and key go together: pass both (cert=PATH,key=PATH) or neither")
         if self.user is not None and self.password is None:
@@ -90,7 +98,7 @@ class EtcdSecurity(BaseModel):
         return self.cacert is not None or self.cert is not None
 
     @classmethod
-    def from_conf(cls, conf: dict[str, str], environ: Mapping[str, str]) -> "EtcdSecurity":
+    def from_conf(cls, conf: dict[str, str], environ: Mapping[str, str]) -> EtcdSecurity:
         """The security keys of a parsed --rdzv-conf, with the password from `environ`."""
         fields = {key: conf[key] for key in SECURITY_RDZV_CONF_KEYS if key in conf}
         if environ.get(PASSWORD_ENV):
@@ -203,8 +211,9 @@ class LaunchConfig(BaseModel):
     watchdog_timeout: float | Literal["auto", "off"] = "auto"
     watchdog_min: float = Field(60.0, gt=0, description="the least allowance of --watchdog-timeout auto")
     watchdog_long_op: float = Field(1800.0, gt=0, description="default allowance inside elastic.long_operation")
-    drain_timeout: float = Field(60.0, ge=0, description="how long a planned change waits for the workers' drain "
-                                 "checkpoint (0: no drain)")  # fmt: skip
+    drain_timeout: float = Field(
+        60.0, ge=0, description="how long a planned change waits for the workers' drain checkpoint (0: no drain)"
+    )
     log_dir: Path | None = None  # None: elastic-run makes a temp dir once the job can start
     redirects: Std | dict[int, Std] = Std.NONE
     tee: Std | dict[int, Std] = Std.NONE
@@ -220,10 +229,12 @@ class LaunchConfig(BaseModel):
     args: list[str] = []
     module: bool = False
     no_python: bool = False
-    warm_workers: bool = True  # pre-started interpreters, torch imported (launcher.warm_workers); not with -m/--no-python
+    warm_workers: bool = (
+        True  # pre-started interpreters, torch imported (launcher.warm_workers); not with -m/--no-python
+    )
 
     @model_validator(mode="after")
-    def _check_consistency(self) -> "LaunchConfig":
+    def _check_consistency(self) -> LaunchConfig:
         if self.min_nodes > self.max_nodes:
             raise ValueError(f"--nnodes {self.min_nodes}:{self.max_nodes}: MIN must not exceed MAX")
         if self.standalone and self.rdzv_endpoint:
@@ -231,8 +242,10 @@ class LaunchConfig(BaseModel):
         if not self.standalone and not self.rdzv_endpoint:
             raise ValueError("no etcd to rendezvous on: pass --rdzv-endpoint host:port, or --standalone")
         if self.standalone and self.etcd_security != EtcdSecurity():
-            raise ValueError("--standalone runs a private etcd without TLS or login: drop cacert, cert, key and user "
-                             "from --rdzv-conf")  # fmt: skip
+            raise ValueError(
+                "--standalone runs a private etcd without TLS or login: drop cacert, cert, key and user "
+                "from --rdzv-conf"
+            )
         if self.module and self.no_python:
             raise ValueError("-m/--module and --no-python exclude each other")
         return self

@@ -22,8 +22,8 @@ from launcher.decisions import (
     Clock,
     Decision,
     EndJob,
-    FormRound,
     ForgetLeft,
+    FormRound,
     MarkLost,
     ProbeMembers,
     RequestDrain,
@@ -55,12 +55,18 @@ _MAX_PARALLEL_PROBES = 64
 
 def settings_from(config: LaunchConfig) -> Settings:
     return Settings(
-        rdzv_id=config.rdzv_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
-        max_restarts=config.max_restarts, join_timeout=config.rdzv.join_timeout,
-        last_call_timeout=config.rdzv.last_call_timeout, close_timeout=config.rdzv.close_timeout,
-        quarantine_after=config.rdzv.quarantine_after, quarantine_cooldown=config.rdzv.quarantine_cooldown,
-        probe_timeout=config.rdzv.probe_timeout, drain_timeout=config.drain_timeout,
-    )  # fmt: skip
+        rdzv_id=config.rdzv_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        max_restarts=config.max_restarts,
+        join_timeout=config.rdzv.join_timeout,
+        last_call_timeout=config.rdzv.last_call_timeout,
+        close_timeout=config.rdzv.close_timeout,
+        quarantine_after=config.rdzv.quarantine_after,
+        quarantine_cooldown=config.rdzv.quarantine_cooldown,
+        probe_timeout=config.rdzv.probe_timeout,
+        drain_timeout=config.drain_timeout,
+    )
 
 
 class Controller:
@@ -148,8 +154,11 @@ class Controller:
         elif isinstance(decision, RequestDrain):
             request = DrainRequest(round=decision.round, number=random.randrange(1, 2**63), reason=decision.reason)
             if self.store.request_drain(self.holder, view.round_revision, request):
-                logger.info("round %d: %s; asking its workers to checkpoint at their next step and wait",
-                            decision.round, decision.reason)  # fmt: skip
+                logger.info(
+                    "round %d: %s; asking its workers to checkpoint at their next step and wait",
+                    decision.round,
+                    decision.reason,
+                )
         elif isinstance(decision, WithdrawDrain):
             self.store.withdraw_drain(self.holder, decision.round)
             logger.info("round %d: the change it was drained for is off; withdrawing the drain", decision.round)
@@ -159,40 +168,75 @@ class Controller:
             self._end(decision, view)
 
     def _form(self, decision: FormRound, view: JobView) -> None:
-        record = RoundRecord.of(decision.number, decision.members, decision.restart_count, decision.reason.value,
-                                decision.strikes, decision.quarantined)  # fmt: skip
+        record = RoundRecord.of(
+            decision.number,
+            decision.members,
+            decision.restart_count,
+            decision.reason.value,
+            decision.strikes,
+            decision.quarantined,
+        )
         events = []
         for node in decision.newly_quarantined:
-            events.append(new_event(
-                "node_quarantined", round=decision.number, node=node, reason="caused the worker failure of "
-                f"{self.settings.quarantine_after} consecutive rounds",
-                message=f"kept out of rounds for {self.settings.quarantine_cooldown:g}s",
-            ))  # fmt: skip
-        events += [new_event("node_readmitted", round=decision.number, node=node, reason="quarantine over")
-                   for node in decision.readmitted]  # fmt: skip
+            events.append(
+                new_event(
+                    "node_quarantined",
+                    round=decision.number,
+                    node=node,
+                    reason=f"caused the worker failure of {self.settings.quarantine_after} consecutive rounds",
+                    message=f"kept out of rounds for {self.settings.quarantine_cooldown:g}s",
+                )
+            )
+        events += [
+            new_event("node_readmitted", round=decision.number, node=node, reason="quarantine over")
+            for node in decision.readmitted
+        ]
         drain = decision.drain
         if drain is not None and drain.committed and drain.step is not None:
             events.append(new_event("drain_committed", round=view.round.round, step=drain.step))
         elif drain is not None and not drain.committed:
-            events.append(new_event("drain_timed_out", round=view.round.round, step=drain.step,
-                                    message=f"not every member drained within --drain-timeout "
-                                            f"{self.settings.drain_timeout:g}s; steps since the last checkpoint "
-                                            "are redone"))  # fmt: skip
+            events.append(
+                new_event(
+                    "drain_timed_out",
+                    round=view.round.round,
+                    step=drain.step,
+                    message=f"not every member drained within --drain-timeout "
+                    f"{self.settings.drain_timeout:g}s; steps since the last checkpoint "
+                    "are redone",
+                )
+            )
         if decision.reason is RoundReason.WORKER_FAILED:
-            events.append(new_event(
-                "restart", round=decision.number, restart_count=decision.restart_count, reason=decision.reason.value,
-                message=f"restart {decision.restart_count} of --max-restarts {self.settings.max_restarts}",
-            ))  # fmt: skip
-        events.append(new_event(
-            "round_started", round=decision.number, world_size=record.world_size, members=record.member_summary(),
-            reason=decision.reason.value, restart_count=decision.restart_count,
-        ))  # fmt: skip
+            events.append(
+                new_event(
+                    "restart",
+                    round=decision.number,
+                    restart_count=decision.restart_count,
+                    reason=decision.reason.value,
+                    message=f"restart {decision.restart_count} of --max-restarts {self.settings.max_restarts}",
+                )
+            )
+        events.append(
+            new_event(
+                "round_started",
+                round=decision.number,
+                world_size=record.world_size,
+                members=record.member_summary(),
+                reason=decision.reason.value,
+                restart_count=decision.restart_count,
+            )
+        )
         if self.store.form_round(self.holder, view.round_revision, record, events, decision.handled_left):
             members = decision.members
             ranks = ", ".join(f"{m.node}:{m.first_rank}-{m.last_rank}" for m in members[:16])
             more = f" and {len(members) - 16} more" if len(members) > 16 else ""
-            logger.info("round %d formed (%s): world size %d [%s%s]", decision.number, decision.reason.value,
-                        record.world_size, ranks, more)  # fmt: skip
+            logger.info(
+                "round %d formed (%s): world size %d [%s%s]",
+                decision.number,
+                decision.reason.value,
+                record.world_size,
+                ranks,
+                more,
+            )
             self._trim_events()
 
     def _mark_lost(self, decision: MarkLost, view: JobView) -> None:
@@ -200,7 +244,7 @@ class Controller:
         for node, reason in decision.reasons.items():
             if self.store.mark_lost(self.holder, number, node, reason):
                 logger.warning("node %s lost in round %d: %s", node, number, reason)
-        for node, lease in decision.revoke.items():
+        for lease in decision.revoke.values():
             self.store.revoke(lease)  # fences the node: an agent alive after all finds its lease gone
 
     def _probe(self, decision: ProbeMembers, view: JobView) -> None:
@@ -235,5 +279,8 @@ class Controller:
             logger.debug("trimming events failed: %s", exc)
             return
         if trimmed:
-            logger.info("kept the newest %d events of job %s in etcd (membership.jsonl keeps all)", self.max_events,
-                        self.settings.rdzv_id)  # fmt: skip
+            logger.info(
+                "kept the newest %d events of job %s in etcd (membership.jsonl keeps all)",
+                self.max_events,
+                self.settings.rdzv_id,
+            )

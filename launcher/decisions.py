@@ -106,7 +106,7 @@ class FormRound:
     quarantined: dict[str, float] = field(default_factory=dict)  # node -> unix time its quarantine ends
     newly_quarantined: list[str] = field(default_factory=list)
     readmitted: list[str] = field(default_factory=list)
-    drain: "DrainOutcome | None" = None  # how the drain before this planned change went, if one was asked for
+    drain: DrainOutcome | None = None  # how the drain before this planned change went, if one was asked for
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,9 @@ class EndJob:
     cause: WorkerFailure | None = None
 
 
-Decision = (Wait | FormRound | MarkLost | CallRollCall | ProbeMembers | RequestDrain | WithdrawDrain | ForgetLeft
-            | EndJob)
+Decision = (
+    Wait | FormRound | MarkLost | CallRollCall | ProbeMembers | RequestDrain | WithdrawDrain | ForgetLeft | EndJob
+)
 
 
 # -- pure helpers ----------------------------------------------------------------------------------------------
@@ -281,8 +282,13 @@ def track(view: JobView, clock: Clock, now: float, settings: Settings) -> Clock:
     """The clock after looking at `view` at `now`: conditions that began are stamped, those that ended cleared."""
     number = view.round.round if view.round is not None else None
     if number != clock.round:
-        clock = Clock(leading_since=clock.leading_since, round=number, round_seen_at=now if number is not None else None,
-                      quorum_since=clock.quorum_since, short_since=clock.short_since)  # fmt: skip
+        clock = Clock(
+            leading_since=clock.leading_since,
+            round=number,
+            round_seen_at=now if number is not None else None,
+            quorum_since=clock.quorum_since,
+            short_since=clock.short_since,
+        )
     eligible = _eligible(view, now + clock.wall_offset)
     members = _members(view)
     gone = [m for m in members if not _alive(view, m)]
@@ -336,8 +342,11 @@ def _first_round(view: JobView, clock: Clock, now: float, settings: Settings) ->
         return Wait(deadline, f"last call: {count} of up to {settings.max_nodes} node(s)")
     deadline = clock.leading_since + settings.join_timeout
     if now >= deadline:
-        return EndJob(False, f"rendezvous timed out: {count} of at least {settings.min_nodes} node(s) joined "
-                             f"within join_timeout={settings.join_timeout:g}s")  # fmt: skip
+        return EndJob(
+            False,
+            f"rendezvous timed out: {count} of at least {settings.min_nodes} node(s) joined "
+            f"within join_timeout={settings.join_timeout:g}s",
+        )
     return Wait(deadline, f"waiting for nodes: {count} of at least {settings.min_nodes}")
 
 
@@ -362,16 +371,25 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
             return _form(view, eligible, reason, round_.restart_count, settings, wall, handled_left=left)
         deadline = clock.short_since + settings.join_timeout
         if now >= deadline:
-            return EndJob(False, f"only {len(eligible)} node(s) left, fewer than MIN={settings.min_nodes}, "
-                                 f"for join_timeout={settings.join_timeout:g}s")  # fmt: skip
+            return EndJob(
+                False,
+                f"only {len(eligible)} node(s) left, fewer than MIN={settings.min_nodes}, "
+                f"for join_timeout={settings.join_timeout:g}s",
+            )
         return Wait(deadline, f"{len(eligible)} node(s), fewer than MIN={settings.min_nodes}")
 
     leaving = [m for m in members if _leaving(view, m.node, m.incarnation)]
     if leaving:
         if settings.drain_timeout and round_.round not in view.drains:
             return RequestDrain(round_.round, RoundReason.NODE_LEFT.value)  # the leaving agent waits for it
-        return _evict_after_close_timeout(leaving, clock.leaving_since, now, settings, "did not finish leaving",
-                                          f"{', '.join(m.node for m in leaving)} leaving")  # fmt: skip
+        return _evict_after_close_timeout(
+            leaving,
+            clock.leaving_since,
+            now,
+            settings,
+            "did not finish leaving",
+            f"{', '.join(m.node for m in leaving)} leaving",
+        )
 
     if reports.failed:
         silent = _silent(view)
@@ -380,21 +398,36 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
             if rollcall is None:
                 return CallRollCall(round_.round)
             unanswered = [m for m in silent if reports.alive.get(m.node) != rollcall.nonce]
-            unprobed = {m.node: view.nodes[m.node] for m in unanswered
-                        if settings.probe_timeout and m.node not in clock.probed and view.nodes[m.node].probe_port}
+            unprobed = {
+                m.node: view.nodes[m.node]
+                for m in unanswered
+                if settings.probe_timeout and m.node not in clock.probed and view.nodes[m.node].probe_port
+            }
             if unprobed:
                 return ProbeMembers(unprobed)
             if unanswered:
-                return _evict_after_close_timeout(unanswered, clock.rollcall_since, now, settings,
-                                                  "did not answer the roll call",
-                                                  f"roll call: {len(unanswered)} member(s) have not answered")  # fmt: skip
+                return _evict_after_close_timeout(
+                    unanswered,
+                    clock.rollcall_since,
+                    now,
+                    settings,
+                    "did not answer the roll call",
+                    f"roll call: {len(unanswered)} member(s) have not answered",
+                )
         failures = [f for report in reports.failed.values() for f in report.failures]
         restarts = round_.restart_count + 1
         if restarts > settings.max_restarts:
             cause = root_cause(failures)
             return EndJob(False, failure_summary(settings.rdzv_id, round_.restart_count, cause), cause)
-        return _form(view, eligible, RoundReason.WORKER_FAILED, restarts, settings, wall,
-                     charged=charged_nodes(failures, members))  # fmt: skip
+        return _form(
+            view,
+            eligible,
+            RoundReason.WORKER_FAILED,
+            restarts,
+            settings,
+            wall,
+            charged=charged_nodes(failures, members),
+        )
 
     if all(m.node in reports.done for m in members):
         return EndJob(True, f"job {settings.rdzv_id} finished")
@@ -402,8 +435,9 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
     deadlines = []
     unstarted = [m for m in members if m.node not in reports.acked and m.node not in reports.done]
     if unstarted:
-        decision = _evict_after_close_timeout(unstarted, clock.round_seen_at, now, settings,
-                                              f"did not start round {round_.round}", "members starting")  # fmt: skip
+        decision = _evict_after_close_timeout(
+            unstarted, clock.round_seen_at, now, settings, f"did not start round {round_.round}", "members starting"
+        )
         if isinstance(decision, MarkLost):
             return decision
         deadlines.append(decision.until)
@@ -450,8 +484,9 @@ def _drain_outcome(view: JobView) -> DrainOutcome | None:
     return DrainOutcome(committed=_drained(view), step=max(steps, default=None))
 
 
-def _evict_after_close_timeout(members: list[Member], since: float, now: float, settings: Settings, failed_to: str,
-                               waiting_for: str) -> MarkLost | Wait:  # fmt: skip
+def _evict_after_close_timeout(
+    members: list[Member], since: float, now: float, settings: Settings, failed_to: str, waiting_for: str
+) -> MarkLost | Wait:
     """Members that `failed_to` do something within close_timeout of `since` are evicted: lost, and fenced."""
     deadline = since + settings.close_timeout
     if now < deadline:
@@ -460,9 +495,16 @@ def _evict_after_close_timeout(members: list[Member], since: float, now: float, 
     return MarkLost({m.node: reason for m in members}, {m.node: m.incarnation for m in members})
 
 
-def _form(view: JobView, eligible: dict[str, NodeRecord], reason: RoundReason, restart_count: int,
-          settings: Settings, wall: float, charged: list[str] = (),
-          handled_left: list[str] = ()) -> FormRound:  # fmt: skip
+def _form(
+    view: JobView,
+    eligible: dict[str, NodeRecord],
+    reason: RoundReason,
+    restart_count: int,
+    settings: Settings,
+    wall: float,
+    charged: list[str] = (),
+    handled_left: list[str] = (),
+) -> FormRound:
     """The next round of `eligible` nodes; each node `charged` with a worker failure takes a strike."""
     previous = view.round
     number = previous.round + 1 if previous is not None else 0
@@ -481,5 +523,15 @@ def _form(view: JobView, eligible: dict[str, NodeRecord], reason: RoundReason, r
                 strikes[node] = counts[node]
     readmitted = sorted(set(previous.quarantined) - set(quarantined)) if previous is not None else []
     members = assign_ranks(previous, eligible, settings.max_nodes)
-    return FormRound(number, members, reason, restart_count, list(handled_left), strikes, quarantined, newly,
-                     readmitted, _drain_outcome(view))  # fmt: skip
+    return FormRound(
+        number,
+        members,
+        reason,
+        restart_count,
+        list(handled_left),
+        strikes,
+        quarantined,
+        newly,
+        readmitted,
+        _drain_outcome(view),
+    )

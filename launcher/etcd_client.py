@@ -6,8 +6,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import grpc
 import tenacity
@@ -25,9 +26,9 @@ except ImportError:  # pragma: no cover - exercised only where python-etcd3 is w
     import etcd3  # type: ignore[no-redef]
     from etcd3 import etcdrpc  # type: ignore[no-redef]
     from etcd3 import events as etcd_events  # type: ignore[no-redef]
+    from etcd3 import exceptions as etcd_exceptions  # type: ignore[no-redef]
     from etcd3 import watch as etcd_watch  # type: ignore[no-redef]
     from etcd3.client import _EXCEPTIONS_BY_CODE, _FAILED_EP_CODES, EtcdTokenCallCredentials  # type: ignore[no-redef]
-    from etcd3 import exceptions as etcd_exceptions  # type: ignore[no-redef]
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ def parse_endpoints(spec: str) -> list[tuple[str, int]]:
 class _RecordingWatchStub:
     """Hands the Watch call it makes to its watcher, so that the watcher can cancel it."""
 
-    def __init__(self, stub, watcher: "_CancellingWatcher") -> None:
+    def __init__(self, stub, watcher: _CancellingWatcher) -> None:
         self._stub, self._watcher = stub, watcher
 
     def Watch(self, *args, **kwargs):
@@ -134,8 +135,12 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
         self._clear_old_stubs()  # the watcher holds the old token: its watches resume with the new one
 
     def get_watcher(self):
-        return _CancellingWatcher(etcdrpc.WatchStub(self.channel), timeout=self.timeout,
-                                  call_credentials=self.call_credentials, metadata=self.metadata)  # fmt: skip
+        return _CancellingWatcher(
+            etcdrpc.WatchStub(self.channel),
+            timeout=self.timeout,
+            call_credentials=self.call_credentials,
+            metadata=self.metadata,
+        )
 
     @property
     def channel(self):
@@ -165,8 +170,11 @@ def refresh_lease(lease, timeout: float):
     client = lease.etcd_client
     request = etcdrpc.LeaseKeepAliveRequest(ID=lease.id)
     try:
-        return list(client.leasestub.LeaseKeepAlive(iter([request]), timeout, credentials=client.call_credentials,
-                                                    metadata=client.metadata))  # fmt: skip
+        return list(
+            client.leasestub.LeaseKeepAlive(
+                iter([request]), timeout, credentials=client.call_credentials, metadata=client.metadata
+            )
+        )
     except grpc.RpcError as exc:
         client._manage_grpc_errors(exc)
 
@@ -188,8 +196,9 @@ def _tls_credentials(security: EtcdSecurity) -> grpc.ChannelCredentials:
     def read(path: Path | None) -> bytes | None:
         return path.read_bytes() if path is not None else None
 
-    return grpc.ssl_channel_credentials(root_certificates=read(security.cacert), private_key=read(security.key),
-                                        certificate_chain=read(security.cert))  # fmt: skip
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(security.cacert), private_key=read(security.key), certificate_chain=read(security.cert)
+    )
 
 
 def close(client: EtcdClient, timeout_s: float = 2.0) -> None:
@@ -199,8 +208,9 @@ def close(client: EtcdClient, timeout_s: float = 2.0) -> None:
     closer.join(timeout=timeout_s)
 
 
-def check_reachable(client: EtcdClient, spec: str, security: EtcdSecurity | None = None,
-                    deadline_s: float = 5.0) -> None:  # fmt: skip
+def check_reachable(
+    client: EtcdClient, spec: str, security: EtcdSecurity | None = None, deadline_s: float = 5.0
+) -> None:
     """Raise EtcdUnreachable naming `spec` unless an etcd v3 server answers within `deadline_s`."""
     try:
         call_with_retry(client.status, deadline_s=deadline_s)
@@ -215,23 +225,34 @@ def explain(exc: BaseException, spec: str, security: EtcdSecurity | None = None)
     code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
     lowered = detail.lower()
     if any(word in lowered for word in ("ssl", "handshake", "certificate", "tls")) or (
-            security.tls and code is grpc.StatusCode.UNAVAILABLE and "connection refused" not in lowered):
-        return EtcdUnreachable(f"TLS with etcd at {spec} failed ({detail}); check --rdzv-conf cacert (the CA that "
-                               "signed etcd's certificate) and cert/key (a client certificate that CA signed)")
+        security.tls and code is grpc.StatusCode.UNAVAILABLE and "connection refused" not in lowered
+    ):
+        return EtcdUnreachable(
+            f"TLS with etcd at {spec} failed ({detail}); check --rdzv-conf cacert (the CA that "
+            "signed etcd's certificate) and cert/key (a client certificate that CA signed)"
+        )
     if "authentication failed" in lowered or "invalid user id or password" in lowered:
-        return EtcdUnreachable(f"etcd at {spec} refused the login of user {security.user}: wrong user name or "
-                               f"password (--rdzv-conf user=NAME, password in {PASSWORD_ENV})")
+        return EtcdUnreachable(
+            f"etcd at {spec} refused the login of user {security.user}: wrong user name or "
+            f"password (--rdzv-conf user=NAME, password in {PASSWORD_ENV})"
+        )
     if "authentication is not enabled" in lowered:
-        return EtcdUnreachable(f"etcd at {spec} has authentication off: drop user= from --rdzv-conf and unset "
-                               f"{PASSWORD_ENV}")
+        return EtcdUnreachable(
+            f"etcd at {spec} has authentication off: drop user= from --rdzv-conf and unset {PASSWORD_ENV}"
+        )
     if "user name is empty" in lowered or "user name not found" in lowered or code is grpc.StatusCode.UNAUTHENTICATED:
-        return EtcdUnreachable(f"etcd at {spec} wants a login ({detail}): pass --rdzv-conf user=NAME with the "
-                               f"password in {PASSWORD_ENV}")
+        return EtcdUnreachable(
+            f"etcd at {spec} wants a login ({detail}): pass --rdzv-conf user=NAME with the password in {PASSWORD_ENV}"
+        )
     if "permission denied" in lowered or code is grpc.StatusCode.PERMISSION_DENIED:
-        return EtcdUnreachable(f"etcd at {spec}: user {security.user} has no right to what elastic-run needs "
-                               f"({detail}); grant its role readwrite on the prefix /elastic/ or /elastic/<rdzv-id>/")
-    return EtcdUnreachable(f"cannot reach an etcd v3 server at {spec} ({type(exc).__name__}: {detail or 'no answer'}); "
-                           "start etcd there, fix --rdzv-endpoint, or use --standalone")
+        return EtcdUnreachable(
+            f"etcd at {spec}: user {security.user} has no right to what elastic-run needs "
+            f"({detail}); grant its role readwrite on the prefix /elastic/ or /elastic/<rdzv-id>/"
+        )
+    return EtcdUnreachable(
+        f"cannot reach an etcd v3 server at {spec} ({type(exc).__name__}: {detail or 'no answer'}); "
+        "start etcd there, fix --rdzv-endpoint, or use --standalone"
+    )
 
 
 def _detail(exc: BaseException) -> str:

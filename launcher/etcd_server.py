@@ -54,8 +54,14 @@ class ServerTls:
 class EtcdServer:
     """One etcd member on 127.0.0.1 with its own data directory, removed on stop."""
 
-    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", tls: ServerTls | None = None,
-                 ready_check: EtcdSecurity | None = None, flags: tuple[str, ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        host: str = "127.0.0.1",
+        tls: ServerTls | None = None,
+        ready_check: EtcdSecurity | None = None,
+        flags: tuple[str, ...] = (),
+    ) -> None:
         """`ready_check`: how a client that can reach a TLS etcd connects (start waits until one answers);
         `flags`: more etcd flags."""
         self.host = host
@@ -72,30 +78,46 @@ class EtcdServer:
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
 
-    def start(self, timeout_s: float = 20.0) -> "EtcdServer":
+    def start(self, timeout_s: float = 20.0) -> EtcdServer:
         client_url = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         command = [
             find_etcd_binary(),
-            "--name", "elastic",
-            "--data-dir", os.path.join(self.data_dir, "member"),
-            "--listen-client-urls", client_url,
-            "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url,
-            "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"elastic={peer_url}",
-            "--log-level", "error",
+            "--name",
+            "elastic",
+            "--data-dir",
+            os.path.join(self.data_dir, "member"),
+            "--listen-client-urls",
+            client_url,
+            "--advertise-client-urls",
+            client_url,
+            "--listen-peer-urls",
+            peer_url,
+            "--initial-advertise-peer-urls",
+            peer_url,
+            "--initial-cluster",
+            f"elastic={peer_url}",
+            "--log-level",
+            "error",
             *self.flags,
-        ]  # fmt: skip
+        ]
         if self.tls is not None:
-            command += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key), "--client-cert-auth",
-                        "--trusted-ca-file", str(self.tls.client_ca)]  # fmt: skip
+            command += [
+                "--cert-file",
+                str(self.tls.cert),
+                "--key-file",
+                str(self.tls.key),
+                "--client-cert-auth",
+                "--trusted-ca-file",
+                str(self.tls.client_ca),
+            ]
         os.makedirs(self.data_dir, exist_ok=True)
         log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
         # The server dies with whoever started it, even on SIGKILL, so no test or agent leaks an etcd; its own
         # session keeps a terminal's Ctrl-C from stopping it before the agent has left the job.
-        self.process = subprocess.Popen(orphan_safe_command(command), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            orphan_safe_command(command), stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         log.close()
         self._wait_ready(timeout_s)
         logger.info("started etcd %s (pid %d, data in %s)", self.endpoint, self.process.pid, self.data_dir)
@@ -115,7 +137,9 @@ class EtcdServer:
                 except Exception as exc:
                     if time.monotonic() > deadline:
                         self.stop()
-                        raise RuntimeError(f"etcd at {self.endpoint} did not become ready within {timeout_s:.0f} s") from exc
+                        raise RuntimeError(
+                            f"etcd at {self.endpoint} did not become ready within {timeout_s:.0f} s"
+                        ) from exc
                     time.sleep(0.1)
         finally:
             client.close()
@@ -131,7 +155,7 @@ class EtcdServer:
         if self._own_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdServer":
+    def __enter__(self) -> EtcdServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

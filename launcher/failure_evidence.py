@@ -81,12 +81,18 @@ def _stalled(state: int, unsent: int, retransmits: int, unanswered_probes: int) 
 
 
 # a connect the path refused or that timed out; an address as gloo and c10d print it
-_UNREACHABLE = re.compile(r"no route to host|network is unreachable|connect(?:ion)? timed? ?out|"
-                          r"timed out.{0,40}connect", re.IGNORECASE)
+_UNREACHABLE = re.compile(
+    r"no route to host|network is unreachable|connect(?:ion)? timed? ?out|"
+    r"timed out.{0,40}connect",
+    re.IGNORECASE,
+)
 _ADDRESS = re.compile(r"\[?(?P<ip>(?:\d{1,3}\.){3}\d{1,3}|[0-9a-fA-F:]*:[0-9a-fA-F:]+)\]?:\d+")
 # a peer that died closes or resets its connections; a collective that timed out waited for a peer
-_PEER_GONE = re.compile(r"reset by peer|closed by peer|connection closed|broken pipe|connection refused|"
-                        r"timed out waiting|collective operation timeout", re.IGNORECASE)  # fmt: skip
+_PEER_GONE = re.compile(
+    r"reset by peer|closed by peer|connection closed|broken pipe|connection refused|"
+    r"timed out waiting|collective operation timeout",
+    re.IGNORECASE,
+)
 
 
 def says_unreachable(message: str) -> bool:

@@ -1,4 +1,5 @@
-"""A job's state as plain data, parsed from the raw keys of a `RangeMirror`; malformed keys are named once and ignored."""
+"""A job's state as plain data, parsed from the raw keys of a `RangeMirror`; malformed keys are named once and
+ignored."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from launcher import etcd_client
 
@@ -28,7 +28,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def start(self) -> "LeaseKeeper":
+    def start(self) -> LeaseKeeper:
         self._thread.start()
         return self
 
@@ -36,7 +36,7 @@ class LeaseKeeper:
         self._stop.set()
 
     def silent_for(self) -> float:
-        """Seconds since etcd last confirmed the lease: past most of the TTL, peers may be forming a round without us."""
+        """Seconds since etcd last confirmed the lease: past most of the TTL, peers may form a round without us."""
         return time.monotonic() - self.refreshed_at
 
     def _run(self) -> None:

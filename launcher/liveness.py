@@ -37,7 +37,7 @@ class LivenessServer:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="liveness", daemon=True)
 
-    def start(self) -> "LivenessServer":
+    def start(self) -> LivenessServer:
         self._thread.start()
         return self
 

@@ -1,4 +1,5 @@
-"""`elastic-run log`: a job's membership log from etcd (or a membership.jsonl), as a table or JSON lines, or followed."""
+"""`elastic-run log`: a job's membership log from etcd (or a membership.jsonl), as a table, JSON lines, followed
+live, or drawn."""
 
 from __future__ import annotations
 
@@ -19,16 +20,24 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--rdzv-endpoint", "--rdzv_endpoint", help="etcd host:port of the job")
     source.add_argument("--file", type=Path, help="a membership.jsonl from an agent's --log-dir instead of etcd")
-    parser.add_argument("--rdzv-conf", "--rdzv_conf", default="",
-                        help="the job's --rdzv-conf: its cacert, cert, key and user reach a secured etcd (password "
-                             "from ELASTIC_ETCD_PASSWORD); other keys are ignored")  # fmt: skip
+    parser.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default="",
+        help="the job's --rdzv-conf: its cacert, cert, key and user reach a secured etcd (password "
+        "from ELASTIC_ETCD_PASSWORD); other keys are ignored",
+    )
     parser.add_argument("--rdzv-id", "--rdzv_id", help="the job id (required with --rdzv-endpoint)")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     parser.add_argument("--follow", "-f", action="store_true", help="keep printing events as they arrive")
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between polls with --follow")
-    parser.add_argument("--plot", type=Path, metavar="timeline.png",
-                        help="draw the log instead of printing it: world size over time, rounds shaded, events "
-                             "marked (png, svg or pdf by the extension; needs the plot extra, matplotlib)")  # fmt: skip
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="timeline.png",
+        help="draw the log instead of printing it: world size over time, rounds shaded, events "
+        "marked (png, svg or pdf by the extension; needs the plot extra, matplotlib)",
+    )
     return parser
 
 
@@ -83,8 +92,7 @@ def _from_etcd(args: argparse.Namespace) -> int:
         print("elastic-run log: error: --rdzv-id is required with --rdzv-endpoint", file=sys.stderr)
         return 2
     try:
-        client = etcd_client.connect_reachable(args.rdzv_endpoint,
-                                               security_from_rdzv_conf(args.rdzv_conf, os.environ))
+        client = etcd_client.connect_reachable(args.rdzv_endpoint, security_from_rdzv_conf(args.rdzv_conf, os.environ))
     except (ValueError, etcd_client.EtcdUnreachable) as exc:
         print(f"elastic-run log: error: {exc}", file=sys.stderr)
         return 1
@@ -92,8 +100,10 @@ def _from_etcd(args: argparse.Namespace) -> int:
     try:
         events = etcd_client.call_with_retry(membership_log.read_events, client, keys.events)
         if not events and not args.follow:
-            print(f"elastic-run log: error: no events for job {args.rdzv_id!r} at {args.rdzv_endpoint} "
-                  "(check --rdzv-id)", file=sys.stderr)  # fmt: skip
+            print(
+                f"elastic-run log: error: no events for job {args.rdzv_id!r} at {args.rdzv_endpoint} (check --rdzv-id)",
+                file=sys.stderr,
+            )
             return 1
         if args.plot is not None:
             return _plot(events, args.plot, f"job {args.rdzv_id} ({args.rdzv_endpoint})")

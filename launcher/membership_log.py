@@ -8,9 +8,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -76,8 +77,11 @@ def read_events(client, events_prefix: str, after_revision: int = 0) -> list[Mem
         except ValidationError as exc:
             if meta.key not in _warned_keys:  # a foreign or damaged value: named once, never fatal
                 _warned_keys.add(meta.key)
-                logger.warning("ignoring malformed membership event at %s (%s)", meta.key.decode(errors="replace"),
-                               str(exc).splitlines()[0])  # fmt: skip
+                logger.warning(
+                    "ignoring malformed membership event at %s (%s)",
+                    meta.key.decode(errors="replace"),
+                    str(exc).splitlines()[0],
+                )
             continue
         event.revision = meta.create_revision
         found.append((meta.create_revision, meta.key, event))
@@ -92,7 +96,7 @@ class LogMirror:
     event from etcd once between them.
     """
 
-    _by_path: dict[Path, "LogMirror"] = {}
+    _by_path: dict[Path, LogMirror] = {}
     _registry_lock = threading.Lock()
 
     def __init__(self, log_dir: Path) -> None:
@@ -101,7 +105,7 @@ class LogMirror:
         self._lock = threading.Lock()  # one sync at a time: seen_revision and the file move together
 
     @classmethod
-    def for_dir(cls, log_dir: Path) -> "LogMirror":
+    def for_dir(cls, log_dir: Path) -> LogMirror:
         path = (Path(log_dir) / LOG_FILE_NAME).resolve()
         with cls._registry_lock:
             mirror = cls._by_path.get(path)

@@ -118,7 +118,12 @@ def gloo_interface_env(addr: str, environ: Mapping[str, str]) -> dict[str, str]:
             logger.info("no local interface holds the advertised address %s; %s not set", addr, GLOO_IFNAME)
         else:
             result[GLOO_IFNAME] = name
-            logger.info("workers get %s=%s (the interface holding %s); set %s yourself to override",
-                        GLOO_IFNAME, name, addr, GLOO_IFNAME)  # fmt: skip
+            logger.info(
+                "workers get %s=%s (the interface holding %s); set %s yourself to override",
+                GLOO_IFNAME,
+                name,
+                addr,
+                GLOO_IFNAME,
+            )
     _decided[key] = result
     return dict(result)

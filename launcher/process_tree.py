@@ -270,8 +270,15 @@ def _supervise() -> None:
                 ignored.append(signum)
         except (OSError, ValueError):
             continue
-        if signum in (signal.SIGCHLD, signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGWINCH,
-                      signal.SIGURG):  # fmt: skip
+        if signum in (
+            signal.SIGCHLD,
+            signal.SIGCONT,
+            signal.SIGTSTP,
+            signal.SIGTTIN,
+            signal.SIGTTOU,
+            signal.SIGWINCH,
+            signal.SIGURG,
+        ):
             continue
         try:
             signal.signal(signum, on_signal)

@@ -22,8 +22,8 @@ Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the mem
 | events/<time_ns>-<author>-<seq>   | MembershipEvent| both        | in the same transaction as the change | that change's guard                    | controller keeps the newest `max_events`; purge |
 
 Agents watch only `state/ctl/` (a few small keys per round, whatever the job's size) and read the one member
-bucket that holds their node (by a hash of the node id); the controller watches all of `state/`. Every write that may be retried carries a marker key unique to that attempt (its event, or its own
-value), so a retry whose first attempt committed, and only the reply was lost, recognises its own write.
+bucket that holds their node (by a hash of the node id); the controller watches all of `state/`. Every write that
+may be retried carries a marker key unique to that attempt (its event, or its own value), so a retry whose first attempt committed, and only the reply was lost, recognises its own write.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Holder:
         return f"{self.node}#{self.lease:x}"
 
     @classmethod
-    def decode(cls, value: str) -> "Holder":
+    def decode(cls, value: str) -> Holder:
         node, _, lease = value.rpartition("#")
         return cls(node, int(lease, 16))
 
@@ -147,9 +147,7 @@ class JobStore:
         """
 
         def attempt() -> bool:
-            won, responses = self.client.transaction(
-                compare=compare, success=success, failure=[self._tx.get(marker)]
-            )
+            won, responses = self.client.transaction(compare=compare, success=success, failure=[self._tx.get(marker)])
             return won or bool(responses and responses[0])
 
         return etcd_client.call_with_retry(attempt, deadline_s=deadline_s)
@@ -204,8 +202,9 @@ class JobStore:
 
     def leave(self, record: NodeRecord, round_: int | None, reason: str) -> None:
         """Our workers have exited: log node_left and drop our registration in one step, then end the lease."""
-        event_key, event_put = self._event(new_event("node_left", node=record.node, round=round_, reason=reason),
-                                           record.node)  # fmt: skip
+        event_key, event_put = self._event(
+            new_event("node_left", node=record.node, round=round_, reason=reason), record.node
+        )
         key = self.keys.node(record.node)
         self._commit(
             compare=[self._tx.value(key) == record.dumps()],
@@ -287,13 +286,20 @@ class JobStore:
         key = self.keys.report(report.round, "failed", report.node)
         events = [
             self._event(
-                new_event("worker_hung" if f.hung else "worker_failed", round=report.round, node=report.node,
-                          local_rank=f.local_rank, rank=f.rank, exit_code=f.exit_code, message=f.message or None,
-                          **(dict(seconds_silent=f.seconds_silent, last_step=f.last_step) if f.hung else {})),
+                new_event(
+                    "worker_hung" if f.hung else "worker_failed",
+                    round=report.round,
+                    node=report.node,
+                    local_rank=f.local_rank,
+                    rank=f.rank,
+                    exit_code=f.exit_code,
+                    message=f.message or None,
+                    **(dict(seconds_silent=f.seconds_silent, last_step=f.last_step) if f.hung else {}),
+                ),
                 report.node,
             )[1]
             for f in report.failures
-        ]  # fmt: skip
+        ]
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, report.dumps()), *events], key)
 
     def answer_rollcall(self, round_: int, round_revision: int, node: str, nonce: str) -> bool:
@@ -305,8 +311,14 @@ class JobStore:
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, report.dumps())], key)
 
     # -- the controller ------------------------------------------------------------------------------------
-    def form_round(self, holder: Holder, round_revision: int, record: RoundRecord, events: list[MembershipEvent],
-                   handled_left: list[str]) -> bool:  # fmt: skip
+    def form_round(
+        self,
+        holder: Holder,
+        round_revision: int,
+        record: RoundRecord,
+        events: list[MembershipEvent],
+        handled_left: list[str],
+    ) -> bool:
         """Write round `record.round` and its events; drop earlier rounds' reports and the leaves it handled."""
         number = record.round
         header, buckets = record.split()
@@ -323,8 +335,11 @@ class JobStore:
             *(self._tx.delete(self.keys.left(node)) for node in handled_left),
             *(put for _, put in puts),
         ]
-        compare = [self._holds_controller(holder), self._round_unchanged(round_revision),
-                   self._tx.version(self.keys.status) == 0]  # fmt: skip
+        compare = [
+            self._holds_controller(holder),
+            self._round_unchanged(round_revision),
+            self._tx.version(self.keys.status) == 0,
+        ]
         return self._commit(compare, ops, marker=puts[-1][0])
 
     def call_rollcall(self, holder: Holder, round_: int, round_revision: int) -> bool:
@@ -336,14 +351,19 @@ class JobStore:
     def request_drain(self, holder: Holder, round_revision: int, request: DrainRequest) -> bool:
         """Ask the round's workers to checkpoint and wait (a drain_requested event with it)."""
         key = self.keys.drain(request.round)
-        _, event_put = self._event(new_event("drain_requested", round=request.round, reason=request.reason),
-                                   holder.node)  # fmt: skip
+        _, event_put = self._event(
+            new_event("drain_requested", round=request.round, reason=request.reason), holder.node
+        )
         compare = [self._holds_controller(holder), self._round_unchanged(round_revision)]
         return self._commit(compare, [self._tx.put(key, request.dumps()), event_put], key)
 
     def withdraw_drain(self, holder: Holder, round_: int) -> None:
-        etcd_client.call_with_retry(self.client.transaction, compare=[self._holds_controller(holder)],
-                                    success=[self._tx.delete(self.keys.drain(round_))], failure=[])  # fmt: skip
+        etcd_client.call_with_retry(
+            self.client.transaction,
+            compare=[self._holds_controller(holder)],
+            success=[self._tx.delete(self.keys.drain(round_))],
+            failure=[],
+        )
 
     def mark_lost(self, holder: Holder, round_: int, node: str, reason: str) -> bool:
         """Record `node` as lost in `round_`, once: its marker and its node_lost event in one transaction."""
@@ -355,15 +375,22 @@ class JobStore:
     def forget_left(self, holder: Holder, nodes: list[str]) -> None:
         """Drop leave notices of nodes that are gone and belong to no round."""
         ops = [self._tx.delete(self.keys.left(node)) for node in nodes]
-        etcd_client.call_with_retry(self.client.transaction, compare=[self._holds_controller(holder)], success=ops,
-                                    failure=[])  # fmt: skip
+        etcd_client.call_with_retry(
+            self.client.transaction, compare=[self._holds_controller(holder)], success=ops, failure=[]
+        )
 
     def end_job(self, holder: Holder, round_revision: int, status: JobStatus, event: MembershipEvent) -> bool:
-        compare = [self._holds_controller(holder), self._round_unchanged(round_revision),
-                   self._tx.version(self.keys.status) == 0]  # fmt: skip
+        compare = [
+            self._holds_controller(holder),
+            self._round_unchanged(round_revision),
+            self._tx.version(self.keys.status) == 0,
+        ]
         event_key, event_put = self._event(event, holder.node)
-        ops = [self._tx.put(self.keys.status, status.dumps()), event_put,
-               self._tx.delete(self.keys.left_prefix, range_end=_prefix_end(self.keys.left_prefix))]  # fmt: skip
+        ops = [
+            self._tx.put(self.keys.status, status.dumps()),
+            event_put,
+            self._tx.delete(self.keys.left_prefix, range_end=_prefix_end(self.keys.left_prefix)),
+        ]
         return self._commit(compare, ops, marker=event_key)
 
     def trim_events(self, keep: int) -> int:
@@ -372,11 +399,13 @@ class JobStore:
         excess = count - keep
         if excess <= 0:
             return 0
-        oldest = self.client.get_prefix_response(self.keys.events, keys_only=True, limit=excess, sort_order="ascend",
-                                                 sort_target="key")  # fmt: skip
+        oldest = self.client.get_prefix_response(
+            self.keys.events, keys_only=True, limit=excess, sort_order="ascend", sort_target="key"
+        )
         last = oldest.kvs[-1].key.decode()
-        self.client.transaction(compare=[], success=[self._tx.delete(self.keys.events, range_end=last + "\0")],
-                                failure=[])  # fmt: skip
+        self.client.transaction(
+            compare=[], success=[self._tx.delete(self.keys.events, range_end=last + "\0")], failure=[]
+        )
         return excess
 
     # -- whole job -------------------------------------------------------------------------------------------

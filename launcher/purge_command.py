@@ -12,38 +12,50 @@ from launcher.protocol import JobStore
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic-run purge",
-                                     description="Delete every etcd key of a job that has finished or failed.")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="elastic-run purge", description="Delete every etcd key of a job that has finished or failed."
+    )
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="etcd host:port of the job")
-    parser.add_argument("--rdzv-conf", "--rdzv_conf", default="",
-                        help="the job's --rdzv-conf: its cacert, cert, key and user reach a secured etcd (password "
-                             "from ELASTIC_ETCD_PASSWORD); other keys are ignored")  # fmt: skip
+    parser.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default="",
+        help="the job's --rdzv-conf: its cacert, cert, key and user reach a secured etcd (password "
+        "from ELASTIC_ETCD_PASSWORD); other keys are ignored",
+    )
     parser.add_argument("--rdzv-id", "--rdzv_id", required=True, help="the job id")
-    parser.add_argument("--force", action="store_true",
-                        help="also purge a job without a final status whose agents are all gone (a crashed job)")  # fmt: skip
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="also purge a job without a final status whose agents are all gone (a crashed job)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        client = etcd_client.connect_reachable(args.rdzv_endpoint,
-                                               security_from_rdzv_conf(args.rdzv_conf, os.environ))
+        client = etcd_client.connect_reachable(args.rdzv_endpoint, security_from_rdzv_conf(args.rdzv_conf, os.environ))
     except (ValueError, etcd_client.EtcdUnreachable) as exc:
         print(f"elastic-run purge: error: {exc}", file=sys.stderr)
         return 1
     store = JobStore(client, args.rdzv_id)
     try:
         if etcd_client.call_with_retry(store.key_count) == 0:
-            print(f"elastic-run purge: error: no job {args.rdzv_id!r} at {args.rdzv_endpoint} (check --rdzv-id)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"elastic-run purge: error: no job {args.rdzv_id!r} at {args.rdzv_endpoint} (check --rdzv-id)",
+                file=sys.stderr,
+            )
             return 1
         status = store.read_status()
         live = etcd_client.call_with_retry(store.live_nodes)
         if status is None and (live or not args.force):
             why = f"{live} agent(s) still registered" if live else "it has no final status"
-            print(f"elastic-run purge: error: job {args.rdzv_id!r} is running ({why}); stop it first, or pass "
-                  "--force once every agent is gone", file=sys.stderr)  # fmt: skip
+            print(
+                f"elastic-run purge: error: job {args.rdzv_id!r} is running ({why}); stop it first, or pass "
+                "--force once every agent is gone",
+                file=sys.stderr,
+            )
             return 1
         count = etcd_client.call_with_retry(store.purge)
         state = status.state if status is not None else "abandoned"

@@ -88,7 +88,9 @@ class MemberBucket(Record):
         i = _position(self.nodes, self.incarnations, node, incarnation)
         if i is None:
             return None
-        return Member(node, self.incarnations[i], self.group_ranks[i], self.nproc[i], self.first_ranks[i], self.addrs[i])
+        return Member(
+            node, self.incarnations[i], self.group_ranks[i], self.nproc[i], self.first_ranks[i], self.addrs[i]
+        )
 
 
 def _position(nodes: list[str], incarnations: list[int], node: str, incarnation: int | None) -> int | None:
@@ -127,19 +129,32 @@ class RoundRecord(Record):
     quarantined: dict[str, float] = {}
 
     @model_validator(mode="after")
-    def _columns_agree(self) -> "RoundRecord":
+    def _columns_agree(self) -> RoundRecord:
         if not len(self.nodes) == len(self.incarnations) == len(self.nproc) == len(self.addrs):
             raise ValueError("round record columns differ in length")
         return self
 
     @classmethod
-    def of(cls, round_: int, members: list[Member], restart_count: int, reason: str,
-           strikes: dict[str, int] | None = None, quarantined: dict[str, float] | None = None) -> "RoundRecord":  # fmt: skip
+    def of(
+        cls,
+        round_: int,
+        members: list[Member],
+        restart_count: int,
+        reason: str,
+        strikes: dict[str, int] | None = None,
+        quarantined: dict[str, float] | None = None,
+    ) -> RoundRecord:
         return cls(
-            round=round_, nodes=[m.node for m in members], incarnations=[m.incarnation for m in members],
-            nproc=[m.nproc for m in members], addrs=[m.addr for m in members], restart_count=restart_count,
-            reason=reason, strikes=strikes or {}, quarantined=quarantined or {},
-        )  # fmt: skip
+            round=round_,
+            nodes=[m.node for m in members],
+            incarnations=[m.incarnation for m in members],
+            nproc=[m.nproc for m in members],
+            addrs=[m.addr for m in members],
+            restart_count=restart_count,
+            reason=reason,
+            strikes=strikes or {},
+            quarantined=quarantined or {},
+        )
 
     @property
     def world_size(self) -> int:
@@ -172,28 +187,48 @@ class RoundRecord(Record):
     def split(self) -> tuple[RoundHeader, list[MemberBucket]]:
         """The header every agent watches, and the member buckets each agent reads one of."""
         count = max(1, min(_MAX_BUCKETS, math.ceil(len(self.nodes) / _MEMBERS_PER_BUCKET)))
-        columns = [{"nodes": [], "incarnations": [], "nproc": [], "addrs": [], "group_ranks": [], "first_ranks": []}
-                   for _ in range(count)]  # fmt: skip
+        columns = [
+            {"nodes": [], "incarnations": [], "nproc": [], "addrs": [], "group_ranks": [], "first_ranks": []}
+            for _ in range(count)
+        ]
         for m in self.members:
             column = columns[bucket_of(m.node, count)]
-            for name, value in (("nodes", m.node), ("incarnations", m.incarnation), ("nproc", m.nproc),
-                                ("addrs", m.addr), ("group_ranks", m.group_rank), ("first_ranks", m.first_rank)):  # fmt: skip
+            for name, value in (
+                ("nodes", m.node),
+                ("incarnations", m.incarnation),
+                ("nproc", m.nproc),
+                ("addrs", m.addr),
+                ("group_ranks", m.group_rank),
+                ("first_ranks", m.first_rank),
+            ):
                 column[name].append(value)
-        header = RoundHeader(round=self.round, size=len(self.nodes), world_size=self.world_size,
-                             restart_count=self.restart_count, reason=self.reason, formed_at=self.formed_at,
-                             buckets=count, strikes=self.strikes, quarantined=self.quarantined)  # fmt: skip
+        header = RoundHeader(
+            round=self.round,
+            size=len(self.nodes),
+            world_size=self.world_size,
+            restart_count=self.restart_count,
+            reason=self.reason,
+            formed_at=self.formed_at,
+            buckets=count,
+            strikes=self.strikes,
+            quarantined=self.quarantined,
+        )
         return header, [MemberBucket(**column) for column in columns]
 
     @classmethod
-    def assemble(cls, header: RoundHeader, buckets: list[MemberBucket]) -> "RoundRecord":
+    def assemble(cls, header: RoundHeader, buckets: list[MemberBucket]) -> RoundRecord:
         """The whole round from its stored parts (the inverse of `split`)."""
         members = sorted(
-            (Member(n, inc, g, p, f, a) for b in buckets
-             for n, inc, p, a, g, f in zip(b.nodes, b.incarnations, b.nproc, b.addrs, b.group_ranks, b.first_ranks)),
+            (
+                Member(n, inc, g, p, f, a)
+                for b in buckets
+                for n, inc, p, a, g, f in zip(b.nodes, b.incarnations, b.nproc, b.addrs, b.group_ranks, b.first_ranks)
+            ),
             key=lambda m: m.group_rank,
-        )  # fmt: skip
-        return cls.of(header.round, members, header.restart_count, header.reason, header.strikes,
-                      header.quarantined).model_copy(update={"formed_at": header.formed_at})  # fmt: skip
+        )
+        return cls.of(
+            header.round, members, header.restart_count, header.reason, header.strikes, header.quarantined
+        ).model_copy(update={"formed_at": header.formed_at})
 
 
 class MasterRecord(Record):

@@ -46,10 +46,15 @@ def round_spans(events: list[MembershipEvent]) -> list[RoundSpan]:
     starts = [e for e in events if e.event == "round_started"]
     end_of_log = max((e.time for e in events), default=0.0)
     return [
-        RoundSpan(e.round or 0, e.time, starts[i + 1].time if i + 1 < len(starts) else end_of_log,
-                  e.world_size or 0, e.reason or "")
+        RoundSpan(
+            e.round or 0,
+            e.time,
+            starts[i + 1].time if i + 1 < len(starts) else end_of_log,
+            e.world_size or 0,
+            e.reason or "",
+        )
         for i, e in enumerate(starts)
-    ]  # fmt: skip
+    ]
 
 
 def marks(events: list[MembershipEvent]) -> list[Mark]:
@@ -106,15 +111,27 @@ def draw(events: list[MembershipEvent], title: str, path: Path) -> None:
         top = max(sizes + [1]) * 1.35
         for span in round_spans(events):
             axes.axvspan(span.start - origin, span.end - origin, color=_ROUND_SHADES[span.round % 2], zorder=0)
-            axes.text(span.start - origin, top * 0.97, f" round {span.round}\n {span.reason}", va="top", fontsize=7,
-                      color="#333333")  # fmt: skip
+            axes.text(
+                span.start - origin,
+                top * 0.97,
+                f" round {span.round}\n {span.reason}",
+                va="top",
+                fontsize=7,
+                color="#333333",
+            )
         axes.step([t - origin for t in times], sizes, where="post", color="#1f77b4", linewidth=2, label="world size")
         for index, mark in enumerate(marks(events)):
             marker, colour = MARKS[mark.event]
             at = _size_at(times, sizes, mark.time)
             axes.scatter([mark.time - origin], [at], marker=marker, color=colour, s=60, zorder=3)
-            axes.annotate(mark.label, (mark.time - origin, at), xytext=(4, 8 + 10 * (index % 3)),
-                          textcoords="offset points", fontsize=7, color=colour)  # fmt: skip
+            axes.annotate(
+                mark.label,
+                (mark.time - origin, at),
+                xytext=(4, 8 + 10 * (index % 3)),
+                textcoords="offset points",
+                fontsize=7,
+                color=colour,
+            )
         axes.set_ylim(0, top)
         axes.set_xlim(0, max(times[-1] - origin, 1e-3))
         axes.set_xlabel("seconds since the first event")

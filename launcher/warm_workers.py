@@ -31,6 +31,8 @@ from launcher.warm_interpreter import CONTROL_FD_ENV
 logger = logging.getLogger(__name__)
 
 _PROGRAM = str(Path(__file__).with_name("warm_interpreter.py"))
+
+
 @dataclass
 class WarmWorker:
     """A pre-started interpreter (under its supervisor) and the agent's end of its control socket."""
@@ -76,8 +78,11 @@ class WarmPool:
             return None
         if warm.fits(node_env):
             return warm
-        logger.info("local rank %d starts cold: its warm interpreter %s", local_rank,
-                    "exited" if warm.process.poll() is not None else "was started with another environment")
+        logger.info(
+            "local rank %d starts cold: its warm interpreter %s",
+            local_rank,
+            "exited" if warm.process.poll() is not None else "was started with another environment",
+        )
         self._discard([warm])
         return None
 
@@ -90,8 +95,14 @@ class WarmPool:
         env = dict(self.env, **{CONTROL_FD_ENV: str(theirs.fileno())})
         command = supervised_command([sys.executable, "-u", _PROGRAM, *self.argv])
         with theirs:
-            process = subprocess.Popen(command, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))  # fmt: skip
+            process = subprocess.Popen(
+                command,
+                env=env,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+            )
         return WarmWorker(process, ours, self.env)
 
     @staticmethod

@@ -40,7 +40,7 @@ class RangeMirror:
         self._resuming = False
         self._closed = False
 
-    def start(self, deadline_s: float = 30.0) -> "RangeMirror":
+    def start(self, deadline_s: float = 30.0) -> RangeMirror:
         etcd_client.call_with_retry(self._load_and_watch, deadline_s=deadline_s)
         return self
 
@@ -86,9 +86,7 @@ class RangeMirror:
     # -- etcd side -------------------------------------------------------------------------------------------
     def _load_and_watch(self) -> None:
         response = self.client.get_prefix_response(self.prefix)
-        entries = {
-            kv.key.decode()[len(self.prefix) :]: Entry(kv.value, kv.mod_revision) for kv in response.kvs
-        }
+        entries = {kv.key.decode()[len(self.prefix) :]: Entry(kv.value, kv.mod_revision) for kv in response.kvs}
         with self._changed:
             self._entries, self.revision = entries, response.header.revision
             self._bump()

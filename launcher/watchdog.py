@@ -41,9 +41,10 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 from elastic import watchdog as channel
 from launcher import failure_evidence
@@ -90,13 +91,16 @@ class Policy:
         return self.timeout if self.timeout is not None else self.minimum
 
     @classmethod
-    def from_config(cls, config) -> "Policy | None":
+    def from_config(cls, config) -> Policy | None:
         """None when the watchdog is off."""
         timeout = getattr(config, "watchdog_timeout", "off")
         if timeout == "off":
             return None
-        return cls(timeout=None if timeout == "auto" else float(timeout), minimum=config.watchdog_min,
-                   long_op=config.watchdog_long_op)  # fmt: skip
+        return cls(
+            timeout=None if timeout == "auto" else float(timeout),
+            minimum=config.watchdog_min,
+            long_op=config.watchdog_long_op,
+        )
 
 
 class StartupHistory:
@@ -276,8 +280,13 @@ class WorkerWatch:
         silent = self.silent_for(now)
         if silent <= allowed:
             return None
-        return Hang(seconds_silent=silent, allowance=allowed, last_step=snapshot.last_step,
-                    long_op=snapshot.long_op.name if snapshot.long_op else None, starting=starting)  # fmt: skip
+        return Hang(
+            seconds_silent=silent,
+            allowance=allowed,
+            last_step=snapshot.last_step,
+            long_op=snapshot.long_op.name if snapshot.long_op else None,
+            starting=starting,
+        )
 
 
 @dataclass
@@ -294,8 +303,9 @@ class _Worker:
 class Watchdog:
     """The watchdog of one WorkerGroup: channels created before the workers start, checked on every poll."""
 
-    def __init__(self, policy: Policy | None, paths: list[Path], clock=time.monotonic,
-                 startups: StartupHistory | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, policy: Policy | None, paths: list[Path], clock=time.monotonic, startups: StartupHistory | None = None
+    ) -> None:
         self.startups = startups if startups is not None else StartupHistory()
         self.policy = self.startups.policy(policy)
         self.clock = clock
@@ -335,8 +345,13 @@ class Watchdog:
                     stalled = failure_evidence.stalled_peers(self._owner(worker, process))
                     hang = dataclasses.replace(hang, stalled_peers=tuple(stalled))
                     worker.hang = hang
-                    logger.error("worker local_rank %d (rank %d) is hung: %s; dumping its stacks, then killing its "
-                                 "process group", local_rank, first_rank + local_rank, hang.summary())  # fmt: skip
+                    logger.error(
+                        "worker local_rank %d (rank %d) is hung: %s; dumping its stacks, then killing its "
+                        "process group",
+                        local_rank,
+                        first_rank + local_rank,
+                        hang.summary(),
+                    )
                     worker.kill_at = now + self._dump(worker, process)
             if worker.kill_at is not None and now >= worker.kill_at:
                 worker.kill_at = None

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import IO
 
 from elastic.watchdog import HEARTBEAT_ENV
+from launcher import failure_evidence
 from launcher.config import LaunchConfig, Std
 from launcher.network import gloo_interface_env
 from launcher.process_tree import stop_group, supervised_command
 from launcher.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
-from launcher import failure_evidence
 from launcher.warm_workers import WarmPool, WarmWorker
 from launcher.watchdog import HEARTBEAT_FILE, Policy, StartupHistory, Watchdog, read_dump
 
@@ -37,8 +37,9 @@ def node_worker_env(addr: str, nproc: int) -> dict[str, str]:
     return env
 
 
-def worker_env(config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord, local_rank: int,
-               error_file: Path) -> dict[str, str]:  # fmt: skip
+def worker_env(
+    config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord, local_rank: int, error_file: Path
+) -> dict[str, str]:
     """The variables torchrun sets for a worker, plus ELASTIC_ROUND and ELASTIC_HEARTBEAT_FILE."""
     rank = member.first_rank + local_rank
     env = node_worker_env(member.addr, member.nproc)
@@ -146,8 +147,15 @@ class WorkerOutcome(enum.Enum):
 class WorkerGroup:
     """The local workers of one round, each in its own process group so its whole tree can be stopped."""
 
-    def __init__(self, config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord,
-                 startups: StartupHistory | None = None, warm: WarmPool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: LaunchConfig,
+        round_: RoundHeader,
+        member: Member,
+        master: MasterRecord,
+        startups: StartupHistory | None = None,
+        warm: WarmPool | None = None,
+    ) -> None:
         self.config = config
         self.warm = warm
         self.started_warm = 0  # how many of the workers started in a warm interpreter
@@ -160,13 +168,18 @@ class WorkerGroup:
         self._exited_at: dict[int, float] = {}
         self._duplicators = {
             name: LineDuplicator(self.attempt_dir / f"filtered_{name}.log", filters)
-            for name, filters in (("stdout", config.duplicate_stdout_filters),
-                                  ("stderr", config.duplicate_stderr_filters)) if any(filters)
-        }  # fmt: skip
+            for name, filters in (
+                ("stdout", config.duplicate_stdout_filters),
+                ("stderr", config.duplicate_stderr_filters),
+            )
+            if any(filters)
+        }
         # heartbeat channels exist before the workers start (or, with the watchdog off, stale ones are gone)
-        self.watchdog = Watchdog(Policy.from_config(config),
-                                 [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)],
-                                 startups=startups)  # fmt: skip
+        self.watchdog = Watchdog(
+            Policy.from_config(config),
+            [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)],
+            startups=startups,
+        )
 
     def start(self) -> None:
         # each worker runs under a supervisor: its whole tree dies with the agent (even SIGKILLed) or with it
@@ -188,15 +201,26 @@ class WorkerGroup:
                 if route.log_file is not None and route.target is not subprocess.PIPE:
                     route.log_file.close()  # the child holds its own descriptor
             self.processes.append(process)
-        logger.info("round %d: started %d worker(s) (%d warm), ranks %d-%d of %d, logs in %s", self.round.round,
-                    self.member.nproc, self.started_warm, self.member.first_rank, self.member.last_rank,
-                    self.round.world_size, self.attempt_dir)  # fmt: skip
+        logger.info(
+            "round %d: started %d worker(s) (%d warm), ranks %d-%d of %d, logs in %s",
+            self.round.round,
+            self.member.nproc,
+            self.started_warm,
+            self.member.first_rank,
+            self.member.last_rank,
+            self.round.world_size,
+            self.attempt_dir,
+        )
 
     def _launch_cold(self, env: dict[str, str], routes: dict[str, StreamRoute]) -> subprocess.Popen:
         process = subprocess.Popen(
-            supervised_command(self.config.worker_command()), env=env, start_new_session=True,
-            stdin=subprocess.DEVNULL, stdout=routes["stdout"].target, stderr=routes["stderr"].target,
-        )  # fmt: skip
+            supervised_command(self.config.worker_command()),
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=routes["stdout"].target,
+            stderr=routes["stderr"].target,
+        )
         for name, route in routes.items():
             if route.target is subprocess.PIPE:
                 self._pump(getattr(process, name), route)
@@ -254,8 +278,11 @@ class WorkerGroup:
             if process.poll() is not None:
                 self._exited_at.setdefault(local_rank, now)
         # a worker the watchdog found hung failed, even if it exited 0 once continued for its stack dump
-        failures = [self._failure(r) for r, p in enumerate(self.processes)
-                    if p.returncode not in (None, 0) or (p.returncode == 0 and self.watchdog.hang(r))]  # fmt: skip
+        failures = [
+            self._failure(r)
+            for r, p in enumerate(self.processes)
+            if p.returncode not in (None, 0) or (p.returncode == 0 and self.watchdog.hang(r))
+        ]
         if failures:
             return WorkerOutcome.FAILED, sorted(failures, key=lambda f: (f.time, f.rank))
         if len(self._exited_at) == len(self.processes):
@@ -292,22 +319,35 @@ class WorkerGroup:
         if hang is not None:  # found hung and killed: it failed when it fell silent, unless it waited for a peer
             dump = read_dump(directory / "stderr.log")  # every thread's stack: what the failure summary shows
             return WorkerFailure(
-                node=self.config.node_id, round=self.round.round, local_rank=local_rank,
-                rank=self.member.first_rank + local_rank, exit_code=self.processes[local_rank].returncode,
-                time=hang.failed_at(dump), message=hang.describe(dump), traceback=dump[-8000:] or traceback, hung=True,
-                seconds_silent=round(hang.seconds_silent, 3), last_step=hang.last_step,
-                path_broken=bool(hang.stalled_peers), unreachable=list(hang.stalled_peers),
+                node=self.config.node_id,
+                round=self.round.round,
+                local_rank=local_rank,
+                rank=self.member.first_rank + local_rank,
+                exit_code=self.processes[local_rank].returncode,
+                time=hang.failed_at(dump),
+                message=hang.describe(dump),
+                traceback=dump[-8000:] or traceback,
+                hung=True,
+                seconds_silent=round(hang.seconds_silent, 3),
+                last_step=hang.last_step,
+                path_broken=bool(hang.stalled_peers),
+                unreachable=list(hang.stalled_peers),
                 consequence=hang.waited_on_peer(dump) and not hang.stalled_peers,
-            )  # fmt: skip
+            )
         evidence = f"{message}\n{traceback}"
         return WorkerFailure(
-            node=self.config.node_id, round=self.round.round, local_rank=local_rank,
-            rank=self.member.first_rank + local_rank, exit_code=self.processes[local_rank].returncode,
-            time=written or self._exited_at[local_rank], message=message, traceback=traceback,
+            node=self.config.node_id,
+            round=self.round.round,
+            local_rank=local_rank,
+            rank=self.member.first_rank + local_rank,
+            exit_code=self.processes[local_rank].returncode,
+            time=written or self._exited_at[local_rank],
+            message=message,
+            traceback=traceback,
             path_broken=failure_evidence.says_unreachable(evidence),
             unreachable=failure_evidence.unreachable_peers(evidence),
             consequence=failure_evidence.says_peer_failed(evidence),
-        )  # fmt: skip
+        )
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop every worker and its descendants: `signum`, then SIGKILL after the grace period."""

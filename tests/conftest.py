@@ -1,7 +1,7 @@
 import pytest
+from launcher_harness import Cluster
 
 from launcher.etcd_server import EtcdServer
-from launcher_harness import Cluster
 
 
 @pytest.fixture

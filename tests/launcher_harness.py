@@ -63,17 +63,45 @@ class Cluster:
         self.agents: list[Agent] = []
         self.probe_log = root / "probe.jsonl"
 
-    def start(self, node_id: str, script_args: list[str], *, rdzv_id: str = "job", nnodes: str = "1",
-              nproc: int = 2, rdzv_conf: str = FAST_RDZV, extra: list[str] = (), script: Path = PROBE,
-              env: dict[str, str | None] | None = None) -> Agent:  # fmt: skip
+    def start(
+        self,
+        node_id: str,
+        script_args: list[str],
+        *,
+        rdzv_id: str = "job",
+        nnodes: str = "1",
+        nproc: int = 2,
+        rdzv_conf: str = FAST_RDZV,
+        extra: list[str] = (),
+        script: Path = PROBE,
+        env: dict[str, str | None] | None = None,
+    ) -> Agent:
         log_dir = self.root / node_id
         log_dir.mkdir(parents=True, exist_ok=True)
         command = [
-            *elastic_run_command(), "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "etcd", "--rdzv-endpoint", self.endpoint, "--rdzv-id", rdzv_id,
-            "--rdzv-conf", rdzv_conf, "--node-id", node_id, "--log-dir", str(log_dir),
-            "--worker-stop-timeout", "2", *extra, str(script), *script_args,
-        ]  # fmt: skip
+            *elastic_run_command(),
+            "--nnodes",
+            nnodes,
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            self.endpoint,
+            "--rdzv-id",
+            rdzv_id,
+            "--rdzv-conf",
+            rdzv_conf,
+            "--node-id",
+            node_id,
+            "--log-dir",
+            str(log_dir),
+            "--worker-stop-timeout",
+            "2",
+            *extra,
+            str(script),
+            *script_args,
+        ]
         output = self.root / f"{node_id}.out"
         process_env = worker_env()
         for name, value in (env or {}).items():
@@ -82,8 +110,9 @@ class Cluster:
             else:
                 process_env[name] = value
         with open(output, "ab") as sink:
-            process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=process_env,
-                                       cwd=REPO, start_new_session=True)  # fmt: skip
+            process = subprocess.Popen(
+                command, stdout=sink, stderr=subprocess.STDOUT, env=process_env, cwd=REPO, start_new_session=True
+            )
         agent = Agent(node_id, process, log_dir, output)
         self.agents.append(agent)
         return agent
@@ -142,7 +171,9 @@ class Cluster:
     def dump(self) -> str:
         parts = []
         for agent in self.agents:
-            parts.append(f"--- {agent.node_id} (pid {agent.pid}, rc {agent.process.poll()}) ---\n{agent.text()[-3000:]}")
+            parts.append(
+                f"--- {agent.node_id} (pid {agent.pid}, rc {agent.process.poll()}) ---\n{agent.text()[-3000:]}"
+            )
         return "\n".join(parts)
 
     def close(self) -> None:
@@ -171,4 +202,3 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
-

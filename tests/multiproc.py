@@ -75,8 +75,9 @@ class Job:
             while len(values) < self.world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"ranks {sorted(set(range(self.world_size)) - set(values))} "
-                                       f"did not finish within {timeout}s")
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(self.world_size)) - set(values))} did not finish within {timeout}s"
+                    )
                 try:
                     rank, ok, value = self._results.get(timeout=min(remaining, 1.0))
                 except queue.Empty:

@@ -61,8 +61,12 @@ def unavailable_reason() -> str | None:
 
 def hostname_resolution(namespace: str) -> str:
     """What the shared hostname resolves to inside `namespace` (getent, as glibc and so gloo see it)."""
-    result = subprocess.run(["ip", "netns", "exec", namespace, "getent", "ahostsv4", socket.gethostname()],
-                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    result = subprocess.run(
+        ["ip", "netns", "exec", namespace, "getent", "ahostsv4", socket.gethostname()],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return result.stdout.split()[0] if result.stdout.split() else ""
 
 
@@ -99,7 +103,7 @@ class Network:
     def endpoint(self) -> str:
         return f"{ETCD_ADDR}:{ETCD_PORT}"
 
-    def create(self) -> "Network":
+    def create(self) -> Network:
         for ns in self.namespaces:
             add_namespace(ns)
         _ip("-n", self.etcd_ns, "link", "add", "br0", "type", "bridge")
@@ -113,13 +117,25 @@ class Network:
             _ip("-n", ns, "link", "set", NODE_IFACE, "up")
         return self
 
-    def popen(self, namespace: str, command: list[str], output: Path, env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> subprocess.Popen:  # fmt: skip
+    def popen(
+        self,
+        namespace: str,
+        command: list[str],
+        output: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.Popen:
         """`command` inside `namespace`, in its own process group, killed if the test process dies."""
         with open(output, "ab") as sink:
-            process = subprocess.Popen(orphan_safe_command(["ip", "netns", "exec", namespace, *command]),
-                                       stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+            process = subprocess.Popen(
+                orphan_safe_command(["ip", "netns", "exec", namespace, *command]),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
         self.processes.append(process)
         return process
 
@@ -127,11 +143,24 @@ class Network:
         """A real etcd in the etcd namespace on its bridge address; returns once a node namespace reaches it."""
         client_url, peer_url = f"http://{ETCD_ADDR}:{ETCD_PORT}", f"http://{ETCD_ADDR}:{ETCD_PORT + 1}"
         command = [
-            find_etcd_binary(), "--name", "elastic", "--data-dir", str(self._etcd_data / "member"),
-            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"elastic={peer_url}", "--log-level", "error",
-        ]  # fmt: skip
+            find_etcd_binary(),
+            "--name",
+            "elastic",
+            "--data-dir",
+            str(self._etcd_data / "member"),
+            "--listen-client-urls",
+            client_url,
+            "--advertise-client-urls",
+            client_url,
+            "--listen-peer-urls",
+            peer_url,
+            "--initial-advertise-peer-urls",
+            peer_url,
+            "--initial-cluster",
+            f"elastic={peer_url}",
+            "--log-level",
+            "error",
+        ]
         etcd = self.popen(self.etcd_ns, command, self.root / "etcd.log")
         # Readiness is checked from a node namespace, over the bridge: the path the agents will take
         probe = (
@@ -144,8 +173,12 @@ class Network:
             "        if time.monotonic() > deadline: sys.exit(f'etcd not reachable: {exc}')\n"
             "        time.sleep(0.2)\n"
         )
-        result = subprocess.run(["ip", "netns", "exec", self.node_ns[0], sys.executable, "-c", probe],
-                                capture_output=True, text=True, timeout=timeout_s + 30)  # fmt: skip
+        result = subprocess.run(
+            ["ip", "netns", "exec", self.node_ns[0], sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s + 30,
+        )
         if result.returncode != 0:
             log = (self.root / "etcd.log").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"etcd in {self.etcd_ns} not ready (rc {etcd.poll()}): {result.stderr}\n{log}")
@@ -252,7 +285,7 @@ class PartitionNetwork(Network):
         _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", iface)
         _ip("-n", ns, "link", "set", iface, "up")
 
-    def create(self) -> "PartitionNetwork":
+    def create(self) -> PartitionNetwork:
         for ns in self.namespaces:
             add_namespace(ns)
         for bridge in ("br0", "br1"):  # br0: the peer LAN, br1: the etcd LAN; the switch itself has no address
@@ -268,18 +301,39 @@ class PartitionNetwork(Network):
 
     def start_etcd(self, timeout_s: float = 30.0, heartbeat_ms: int = 100, election_ms: int = 500) -> None:
         """One etcd member per member namespace, one cluster; returns once every member reports healthy."""
-        peers = ",".join(f"{name}=http://{addr}:{ETCD_PORT + 1}"
-                         for name, addr in zip(self.member_names, self.member_addrs))  # fmt: skip
+        peers = ",".join(
+            f"{name}=http://{addr}:{ETCD_PORT + 1}" for name, addr in zip(self.member_names, self.member_addrs)
+        )
         for ns, name, addr in zip(self.member_ns, self.member_names, self.member_addrs):
             client_url, peer_url = f"http://{addr}:{ETCD_PORT}", f"http://{addr}:{ETCD_PORT + 1}"
             command = [
-                find_etcd_binary(), "--name", name, "--data-dir", str(self._etcd_data / name),
-                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                "--initial-cluster", peers, "--initial-cluster-state", "new",
-                "--initial-cluster-token", self.switch_ns, "--heartbeat-interval", str(heartbeat_ms),
-                "--election-timeout", str(election_ms), "--unsafe-no-fsync", "--log-level", "warn",
-            ]  # fmt: skip
+                find_etcd_binary(),
+                "--name",
+                name,
+                "--data-dir",
+                str(self._etcd_data / name),
+                "--listen-client-urls",
+                client_url,
+                "--advertise-client-urls",
+                client_url,
+                "--listen-peer-urls",
+                peer_url,
+                "--initial-advertise-peer-urls",
+                peer_url,
+                "--initial-cluster",
+                peers,
+                "--initial-cluster-state",
+                "new",
+                "--initial-cluster-token",
+                self.switch_ns,
+                "--heartbeat-interval",
+                str(heartbeat_ms),
+                "--election-timeout",
+                str(election_ms),
+                "--unsafe-no-fsync",
+                "--log-level",
+                "warn",
+            ]
             self.popen(ns, command, self.root / f"etcd-{name}.log")
         urls = [f"http://{addr}:{ETCD_PORT}/health" for addr in self.member_addrs]
         probe = (
@@ -296,21 +350,23 @@ class PartitionNetwork(Network):
         )
         result = self.run_in(self.observer_ns, [sys.executable, "-c", probe], timeout_s=timeout_s + 30)
         if result.returncode != 0:
-            logs = "\n".join((self.root / f"etcd-{n}.log").read_text(errors="replace")[-1500:]
-                             for n in self.member_names)  # fmt: skip
+            logs = "\n".join(
+                (self.root / f"etcd-{n}.log").read_text(errors="replace")[-1500:] for n in self.member_names
+            )
             raise RuntimeError(f"etcd cluster not ready: {result.stderr}\n{logs}")
 
     def run_in(self, ns: str, command: list[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", ns, *command], capture_output=True, text=True,
-                              timeout=timeout_s)  # fmt: skip
+        return subprocess.run(["ip", "netns", "exec", ns, *command], capture_output=True, text=True, timeout=timeout_s)
 
     # -- what etcd says, asked from the observer ------------------------------------------------------------------
     def etcd_status(self, members: list[int] | None = None) -> dict[int, dict]:
         """member index -> {"id", "leader", "term"} for each member that answered within a second."""
         members = range(len(self.member_addrs)) if members is None else members
         endpoints = ",".join(f"http://{self.member_endpoint(j)}" for j in members)
-        result = self.run_in(self.observer_ns, [find_etcdctl(), "--endpoints", endpoints, "--command-timeout", "1s",
-                                                "endpoint", "status", "-w", "json"])  # fmt: skip
+        result = self.run_in(
+            self.observer_ns,
+            [find_etcdctl(), "--endpoints", endpoints, "--command-timeout", "1s", "endpoint", "status", "-w", "json"],
+        )
         found = {}
         try:
             statuses = json.loads(result.stdout or "[]")
@@ -319,8 +375,11 @@ class PartitionNetwork(Network):
         for status in statuses:
             j = next(k for k in range(len(self.member_addrs)) if self.member_endpoint(k) in status["Endpoint"])
             body = status["Status"]
-            found[j] = {"id": body["header"]["member_id"], "leader": body.get("leader", 0),
-                        "term": body.get("raftTerm")}  # fmt: skip
+            found[j] = {
+                "id": body["header"]["member_id"],
+                "leader": body.get("leader", 0),
+                "term": body.get("raftTerm"),
+            }
         return found
 
     def etcd_leader(self, members: list[int] | None = None) -> int | None:
@@ -414,8 +473,13 @@ class PartitionNetwork(Network):
                 self.blackholes.remove((ns, addr))
 
     def _tc(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.switch_ns, "tc", *args], capture_output=True, text=True,
-                              check=check, timeout=30)  # fmt: skip
+        return subprocess.run(
+            ["ip", "netns", "exec", self.switch_ns, "tc", *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=30,
+        )
 
     def _drop_at_switch(self, port: str, src_addr: str) -> None:
         """Frames leaving the switch through `port` that come from `src_addr` go to a blackhole qdisc."""
@@ -423,8 +487,25 @@ class PartitionNetwork(Network):
         self._tc("class", "replace", "dev", port, "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit")
         self._tc("class", "replace", "dev", port, "parent", "1:", "classid", "1:2", "htb", "rate", "10gbit")
         self._tc("qdisc", "replace", "dev", port, "parent", "1:2", "handle", "20:", "blackhole")
-        self._tc("filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
-                 "src", f"{src_addr}/32", "flowid", "1:2")  # fmt: skip
+        self._tc(
+            "filter",
+            "add",
+            "dev",
+            port,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "ip",
+            "src",
+            f"{src_addr}/32",
+            "flowid",
+            "1:2",
+        )
         self.cut_links.add(f"tc:{port}")
 
     def _undrop_at_switch(self, port: str) -> None:

@@ -46,7 +46,10 @@ def test_list_json(directory: Path, capsys) -> None:
     rows = json.loads(out)
     assert code == 0
     assert [(row["step"], row["state"], row["world_size"]) for row in rows] == [
-        (0, "committed", 1), (1, "committed", 1), (2, "committed", 1), (3, "torn", None)
+        (0, "committed", 1),
+        (1, "committed", 1),
+        (2, "committed", 1),
+        (3, "torn", None),
     ]
     assert all(row["bytes"] > 0 for row in rows) and rows[0]["time"] and "commit.json" in rows[3]["problem"]
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from multiproc import Job, run_ranks
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -15,7 +16,6 @@ from torch.distributed.tensor import DTensor
 from elastic.checkpoint import CheckpointError, CheckpointManager, ModelState, sync_module_states
 from elastic.checkpoint.global_values import PerRankStateError
 from elastic.checkpoint.layout import scan
-from multiproc import Job, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_checkpoint_manager import make_state, train
 
 from elastic import watchdog as channel
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.layout import scan
-from test_checkpoint_manager import make_state, train
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

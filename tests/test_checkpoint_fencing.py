@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from multiproc import Job, run_ranks
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from elastic.checkpoint import CheckpointManager, ModelState
@@ -25,7 +26,6 @@ from elastic.checkpoint.layout import COMMIT_FILE, scan
 from elastic.checkpoint.ranks import RankFailure
 from elastic.checkpoint.retention import prune
 from elastic.checkpoint.writer import CheckpointWriter
-from multiproc import Job, run_ranks
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -261,7 +261,11 @@ def test_stale_commit_slipping_between_fence_check_and_rename_is_never_loaded(
     assert [entry.step for entry in scan(tmp_path) if entry.fenced] == [5]
     assert cli_main(["list", str(tmp_path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(row["step"], row["state"], row["round"]) for row in rows] == [(1, "committed", 0), (2, "committed", 1), (5, "fenced", 0)]
+    assert [(row["step"], row["state"], row["round"]) for row in rows] == [
+        (1, "committed", 0),
+        (2, "committed", 1),
+        (5, "fenced", 0),
+    ]
     assert cli_main(["inspect", str(tmp_path), "5"]) == 1
     assert "its round was no longer current" in capsys.readouterr().err
 

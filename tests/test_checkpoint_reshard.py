@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from multiproc import run_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
 from elastic.checkpoint import CheckpointManager, ModelState
-from multiproc import run_ranks
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 SAVED_STEP = 3

@@ -12,17 +12,22 @@ from pathlib import Path
 
 import pytest
 import yaml
+from launcher_harness import REPO
 
 from launcher.cli import build_parser, config_from_args
 from launcher.config import LaunchConfig
-from launcher_harness import REPO
 
 pytestmark = pytest.mark.timeout(60)
 DEPLOY = REPO / "deploy"
 # what Kubernetes or Slurm would put in place of a variable, and a GPU count where this machine has none
 POD = {"POD_NAME": "gpt-train-1-abcde", "POD_IP": "10.1.2.3"}
-SLURM = {"MIN_NODES": "2", "SLURM_NNODES": "4", "ETCD_ENDPOINTS": "node001:2379", "SLURM_JOB_ID": "4242",
-         "SLURM_JOB_NAME": "gpt-train"}  # fmt: skip
+SLURM = {
+    "MIN_NODES": "2",
+    "SLURM_NNODES": "4",
+    "ETCD_ENDPOINTS": "node001:2379",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "gpt-train",
+}
 
 
 def manifests() -> list[dict]:
@@ -58,8 +63,13 @@ def test_the_etcd_statefulset_has_three_members_behind_a_headless_service():
 
 
 def test_every_elastic_run_in_the_kubernetes_manifests_parses(monkeypatch):
-    commands = [(doc, c) for doc in manifests() if doc["kind"] in ("Job", "StatefulSet")
-                for c in doc["spec"]["template"]["spec"]["containers"] if c.get("command") == ["elastic-run"]]  # fmt: skip
+    commands = [
+        (doc, c)
+        for doc in manifests()
+        if doc["kind"] in ("Job", "StatefulSet")
+        for c in doc["spec"]["template"]["spec"]["containers"]
+        if c.get("command") == ["elastic-run"]
+    ]
     assert commands, "the training job runs elastic-run"
     endpoints = {f"etcd-{i}.etcd:2379" for i in range(3)}
     for doc, container in commands:

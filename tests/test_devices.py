@@ -32,8 +32,13 @@ def test_choice(device, backend, local_rank, gpus, expected):
         ("cuda", "auto", 0, 0, "--device cuda: no CUDA device is visible here; pass --device cpu (or auto)"),
         ("auto", "nccl", 0, 0, "--backend nccl needs CUDA tensors: pass --backend gloo (or auto) for --device cpu"),
         ("cpu", "nccl", 0, 4, "--backend nccl needs CUDA tensors: pass --backend gloo (or auto) for --device cpu"),
-        ("auto", "auto", 2, 2, "local rank 2 has no GPU of its own (2 visible): start at most 2 workers per node "
-                               "(--nproc-per-node gpu)"),
+        (
+            "auto",
+            "auto",
+            2,
+            2,
+            "local rank 2 has no GPU of its own (2 visible): start at most 2 workers per node (--nproc-per-node gpu)",
+        ),
     ],
 )
 def test_impossible_choices_name_the_fix(device, backend, local_rank, gpus, message):

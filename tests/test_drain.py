@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
-
 from launcher_harness import REPO
 from test_elastic_training import TINY
 
@@ -27,8 +26,21 @@ def start_training(cluster, tmp_path, nodes: str, steps: int) -> tuple[list, Cal
     """`nodes` agents (--nnodes 2:3, one worker each) of examples/train.py, once they trained 5 steps; `start`
     starts another with the same arguments."""
     # --ckpt-every beyond the run: the only checkpoints are step 0, the drain's and the last
-    args = ["--steps", str(steps), "--global-batch", "6", "--micro-batch", "1", "--ckpt-dir", str(tmp_path / "ckpt"),
-            "--ckpt-every", "1000", "--sample-log", str(tmp_path / "samples.jsonl"), *TINY]  # fmt: skip
+    args = [
+        "--steps",
+        str(steps),
+        "--global-batch",
+        "6",
+        "--micro-batch",
+        "1",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-every",
+        "1000",
+        "--sample-log",
+        str(tmp_path / "samples.jsonl"),
+        *TINY,
+    ]
 
     def start(node: str):
         return cluster.start(node, args, nnodes="2:3", nproc=1, script=REPO / "examples" / "train.py")
@@ -60,8 +72,10 @@ def test_a_scale_up_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
     assert len(drained) == 1 and drained[0]["step"] == max(rounds[0]), "round 1 went on from the drain's step"
     grown = cluster.events("round_started")[-1]
     assert (grown["reason"], grown["world_size"]) == ("scale_up", 3)
-    print(f"\nscale-up 2 -> 3 with a drain: round 0 trained steps 1-{max(rounds[0])}, drained at step "
-          f"{drained[0]['step']}; round 1 went on from step {min(rounds[1])}; nothing redone")  # fmt: skip
+    print(
+        f"\nscale-up 2 -> 3 with a drain: round 0 trained steps 1-{max(rounds[0])}, drained at step "
+        f"{drained[0]['step']}; round 1 went on from step {min(rounds[1])}; nothing redone"
+    )
 
 
 def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
@@ -79,5 +93,7 @@ def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster,
     assert [e["node"] for e in cluster.events("node_left")] == ["c"] and not cluster.events("node_lost")
     last = cluster.events("round_started")[-1]
     assert (last["reason"], last["world_size"]) == ("node_left", 2)
-    print(f"\nSIGTERM to one of 3 with a drain: round 0 trained steps 1-{max(rounds[0])}, drained at step "
-          f"{drained[0]['step']}; round 1 went on from step {min(rounds[1])}; nothing redone")  # fmt: skip
+    print(
+        f"\nSIGTERM to one of 3 with a drain: round 0 trained steps 1-{max(rounds[0])}, drained at step "
+        f"{drained[0]['step']}; round 1 went on from step {min(rounds[1])}; nothing redone"
+    )

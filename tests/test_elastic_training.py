@@ -8,7 +8,6 @@ import signal
 import time
 
 import pytest
-
 from launcher_harness import REPO, events
 
 pytestmark = pytest.mark.slow
@@ -34,8 +33,21 @@ def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path
     steps, global_batch = 30, 6
     # commits at steps 8, 16, 24: a kill at step 10 leaves uncommitted steps to redo unless 6 more steps run
     # between seeing step 10 and the kill, which the 0.2 s poll does not allow
-    args = ["--steps", str(steps), "--global-batch", str(global_batch), "--micro-batch", "2", "--ckpt-dir",
-            str(tmp_path / "ckpt"), "--ckpt-every", "8", "--sample-log", str(samples), *TINY]  # fmt: skip
+    args = [
+        "--steps",
+        str(steps),
+        "--global-batch",
+        str(global_batch),
+        "--micro-batch",
+        "2",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-every",
+        "8",
+        "--sample-log",
+        str(samples),
+        *TINY,
+    ]
     agents = [cluster.start(n, args, nnodes="2:3", nproc=1, script=REPO / "examples" / "train.py") for n in "abc"]
     cluster.wait_for(lambda: samples.is_file() and '"step": 10,' in samples.read_text(), 120, "step 10 at 3 ranks")
     killed_at = time.time()

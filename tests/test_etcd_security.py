@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher_harness import PROBE, REPO, elastic_run_command, worker_env
+from tls_certs import CertificateAuthority
 
 from launcher import etcd_client
 from launcher.config import EtcdSecurity
 from launcher.etcd_server import EtcdServer, ServerTls, find_etcd_binary
-from launcher_harness import PROBE, REPO, elastic_run_command, worker_env
-from tls_certs import CertificateAuthority
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -29,10 +29,12 @@ def pki(tmp_path_factory) -> dict:
     directory = tmp_path_factory.mktemp("pki")
     ca, rogue = CertificateAuthority(directory, "ca"), CertificateAuthority(directory, "rogue-ca")
     return {
-        "ca": ca.files.cert, "rogue_ca": rogue.files.cert,
+        "ca": ca.files.cert,
+        "rogue_ca": rogue.files.cert,
         "server": ca.issue("server", "etcd", server=True),
-        "client": ca.issue("client", "trainer"), "rogue_client": rogue.issue("rogue-client", "trainer"),
-    }  # fmt: skip
+        "client": ca.issue("client", "trainer"),
+        "rogue_client": rogue.issue("rogue-client", "trainer"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +68,39 @@ def auth_etcd():
     server.stop()
 
 
-def elastic_run(endpoint: str, conf: str, tmp_path: Path, *, rdzv_id: str = "secured", password: str | None = None,
-                timeout: float = 90) -> tuple[int, list[str], float]:  # fmt: skip
+def elastic_run(
+    endpoint: str,
+    conf: str,
+    tmp_path: Path,
+    *,
+    rdzv_id: str = "secured",
+    password: str | None = None,
+    timeout: float = 90,
+) -> tuple[int, list[str], float]:
     env = worker_env()
     env.pop("ELASTIC_ETCD_PASSWORD", None)
     if password is not None:
         env["ELASTIC_ETCD_PASSWORD"] = password
-    command = [*elastic_run_command(), "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
-               "--rdzv-id", rdzv_id, "--rdzv-conf", f"keep_alive_interval=0.5,last_call_timeout=0,{conf}",
-               "--log-dir", str(tmp_path / "logs"), str(PROBE), "--steps", "3", "--step-time", "0.01"]  # fmt: skip
+    command = [
+        *elastic_run_command(),
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        f"keep_alive_interval=0.5,last_call_timeout=0,{conf}",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(PROBE),
+        "--steps",
+        "3",
+        "--step-time",
+        "0.01",
+    ]
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     errors = [line for line in result.stderr.splitlines() if line.startswith("elastic-run: error:")]
@@ -85,8 +111,17 @@ def log_command(endpoint: str, conf: str, password: str | None = None) -> subpro
     env = worker_env()
     if password is not None:
         env["ELASTIC_ETCD_PASSWORD"] = password
-    command = [*elastic_run_command(), "log", "--rdzv-endpoint", endpoint, "--rdzv-id", "secured", "--rdzv-conf",
-               conf, "--json"]  # fmt: skip
+    command = [
+        *elastic_run_command(),
+        "log",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "secured",
+        "--rdzv-conf",
+        conf,
+        "--json",
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=30, env=env)
 
 
@@ -123,18 +158,28 @@ def test_a_job_runs_as_a_user_whose_role_covers_its_prefix(auth_etcd, tmp_path):
 @pytest.mark.parametrize(
     "conf, password, rdzv_id, expected",
     [
-        ("user=trainer", "not-the-pw-4711", "secured", "refused the login of user trainer: wrong user name or password"),
+        (
+            "user=trainer",
+            "not-the-pw-4711",
+            "secured",
+            "refused the login of user trainer: wrong user name or password",
+        ),
         ("", None, "secured", "wants a login"),
         ("user=outsider", PASSWORD, "secured", "user outsider has no right"),
         ("user=trainer", PASSWORD, "another-job", "user trainer has no right"),
-        ("user=trainer", None, "secured", "user=trainer needs its password in the environment variable "
-                                          "ELASTIC_ETCD_PASSWORD"),
+        (
+            "user=trainer",
+            None,
+            "secured",
+            "user=trainer needs its password in the environment variable ELASTIC_ETCD_PASSWORD",
+        ),
     ],
     ids=["wrong-password", "no-login", "no-role", "other-prefix", "no-password"],
 )
 def test_bad_logins_are_one_line(auth_etcd, tmp_path, conf, password, rdzv_id, expected):
-    code, errors, seconds = elastic_run(auth_etcd.endpoint, conf, tmp_path, rdzv_id=rdzv_id, password=password,
-                                        timeout=30)  # fmt: skip
+    code, errors, seconds = elastic_run(
+        auth_etcd.endpoint, conf, tmp_path, rdzv_id=rdzv_id, password=password, timeout=30
+    )
     assert code in (1, 2) and len(errors) == 1 and seconds < 15, errors
     assert expected in errors[0]
     if password:

@@ -17,8 +17,11 @@ pytestmark = pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "message, peers",
     [
-        ("RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:144] no error\n"
-         "connect [10.88.0.3]:41735: No route to host", ["10.88.0.3"]),
+        (
+            "RuntimeError: Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.cc:144] no error\n"
+            "connect [10.88.0.3]:41735: No route to host",
+            ["10.88.0.3"],
+        ),
         ("[c10d] The client socket has timed out after 60000ms while trying to connect to (10.0.0.2, 29500).", []),
         ("socket.cc:14 connect [fd00::2]:5000: Network is unreachable", ["fd00::2"]),
         ("Connect timeout [10.1.2.3]:4411", ["10.1.2.3"]),
@@ -36,12 +39,23 @@ def test_an_error_names_the_peers_it_could_not_reach(message, peers):
 @pytest.mark.parametrize(
     "message, unreachable, peer_failed",
     [
-        ("RuntimeError: [enforce fail at gloo/transport/tcp/socket.cc:142] rv != -1. -1 vs -1. connect: No route to "
-         "host", True, False),
-        ("RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [10.77.0.3]:35205: Connection reset by peer. This "
-         "is typically caused by a remote worker hanging", False, True),
-        ("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv operation to complete", False,
-         True),
+        (
+            "RuntimeError: [enforce fail at gloo/transport/tcp/socket.cc:142] rv != -1. -1 vs -1. connect: No route to "
+            "host",
+            True,
+            False,
+        ),
+        (
+            "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [10.77.0.3]:35205: Connection reset by peer. "
+            "This is typically caused by a remote worker hanging",
+            False,
+            True,
+        ),
+        (
+            "[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv operation to complete",
+            False,
+            True,
+        ),
         ("ValueError: loss is nan", False, False),
         ("ZeroDivisionError: division by zero", False, False),
     ],
@@ -53,8 +67,10 @@ def test_an_error_tells_a_broken_path_and_a_failed_peer_from_a_failure_of_its_ow
 def test_a_connection_that_is_answered_is_not_stalled():
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        code = (f"import socket, time; s = socket.create_connection(('127.0.0.1', {port})); s.sendall(b'x' * 1000); "
-                "print('up', flush=True); time.sleep(30)")  # fmt: skip
+        code = (
+            f"import socket, time; s = socket.create_connection(('127.0.0.1', {port})); s.sendall(b'x' * 1000); "
+            "print('up', flush=True); time.sleep(30)"
+        )
         client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         try:
             assert client.stdout.readline().strip() == "up"

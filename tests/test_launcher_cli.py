@@ -11,17 +11,21 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+from launcher_harness import PROBE, REPO, elastic_run_command, worker_env
 
 from launcher.etcd_server import free_port
-from launcher_harness import PROBE, REPO, elastic_run_command, worker_env
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 30) -> tuple[int, list[str], float]:
     started = time.monotonic()
     result = subprocess.run(
-        [*elastic_run_command(), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        [*elastic_run_command(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
         env={**worker_env(), **(env or {})},
-    )  # fmt: skip
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     return result.returncode, lines, time.monotonic() - started
 
@@ -116,8 +120,16 @@ def standalone_command(tmp_path, *probe_args: str) -> tuple[list[str], dict[str,
     """elastic-run --standalone on the probe, with a TMPDIR of its own so a test can see what it leaves there."""
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
-    command = [*elastic_run_command(), "--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
-               str(PROBE), *probe_args]  # fmt: skip
+    command = [
+        *elastic_run_command(),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(PROBE),
+        *probe_args,
+    ]
     return command, {**worker_env(), "TMPDIR": str(private_tmp)}, private_tmp
 
 
@@ -134,10 +146,12 @@ def test_standalone_runs_a_job_and_removes_its_etcd(tmp_path):
 @pytest.mark.timeout(120)
 def test_standalone_ctrl_c_stops_workers_and_etcd(tmp_path):
     probe_log = tmp_path / "probe.jsonl"
-    command, env, private_tmp = standalone_command(tmp_path, "--steps", "100000", "--step-time", "0.1",
-                                                   "--log", str(probe_log))  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-                               start_new_session=True, env=env)  # fmt: skip
+    command, env, private_tmp = standalone_command(
+        tmp_path, "--steps", "100000", "--step-time", "0.1", "--log", str(probe_log)
+    )
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True, env=env
+    )
     try:
         deadline = time.monotonic() + 90
         while not probe_log.exists():

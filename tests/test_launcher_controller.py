@@ -26,11 +26,19 @@ class HandPlayedJob:
         self.client = etcd_client.connect(endpoint)
         self.store = JobStore(self.client, "ctl")
         self.config = LaunchConfig(
-            min_nodes=1, max_nodes=2, nproc_per_node=1, rdzv_endpoint=endpoint, rdzv_id="ctl", node_id="a",
-            entrypoint="train.py", max_restarts=max_restarts, log_dir=log_dir,
-            rdzv=RendezvousSettings(keep_alive_interval=0.5, keep_alive_max_attempt=3, last_call_timeout=0,
-                                    close_timeout=60),
-        )  # fmt: skip
+            min_nodes=1,
+            max_nodes=2,
+            nproc_per_node=1,
+            rdzv_endpoint=endpoint,
+            rdzv_id="ctl",
+            node_id="a",
+            entrypoint="train.py",
+            max_restarts=max_restarts,
+            log_dir=log_dir,
+            rdzv=RendezvousSettings(
+                keep_alive_interval=0.5, keep_alive_max_attempt=3, last_call_timeout=0, close_timeout=60
+            ),
+        )
         self.leases = {}
         self.refreshing: set[str] = set()
         self._stop = threading.Event()
@@ -38,8 +46,9 @@ class HandPlayedJob:
             lease = self.client.lease(self.config.rdzv.lease_ttl)
             self.leases[name] = lease
             self.refreshing.add(name)
-            self.store.register(NodeRecord(node=name, addr="127.0.0.1", nproc=1, lease=lease.id, pid=1,
-                                           joined_at=index))  # fmt: skip
+            self.store.register(
+                NodeRecord(node=name, addr="127.0.0.1", nproc=1, lease=lease.id, pid=1, joined_at=index)
+            )
         threading.Thread(target=self._keep_alive, daemon=True).start()
         holder = Holder("a", self.leases["a"].id)
         assert self.store.claim_controller(holder)

@@ -40,8 +40,17 @@ from launcher.records import (
 
 pytestmark = pytest.mark.timeout(30)
 
-SETTINGS = Settings(rdzv_id="job", min_nodes=2, max_nodes=3, max_restarts=1, join_timeout=60, last_call_timeout=5,
-                    close_timeout=30, quarantine_after=3, quarantine_cooldown=300)  # fmt: skip
+SETTINGS = Settings(
+    rdzv_id="job",
+    min_nodes=2,
+    max_nodes=3,
+    max_restarts=1,
+    join_timeout=60,
+    last_call_timeout=5,
+    close_timeout=30,
+    quarantine_after=3,
+    quarantine_cooldown=300,
+)
 T0 = 1000.0  # the controller started leading at T0
 
 
@@ -49,8 +58,9 @@ def node(name: str, lease: int = 1, joined_at: float = 0.0) -> NodeRecord:
     return NodeRecord(node=name, addr="10.0.0.1", nproc=2, lease=lease, pid=1, joined_at=joined_at or ord(name[0]))
 
 
-def view(*names: str, round_of: tuple[str, ...] | None = None, number: int = 0, restarts: int = 0,
-         **reports) -> JobView:  # fmt: skip
+def view(
+    *names: str, round_of: tuple[str, ...] | None = None, number: int = 0, restarts: int = 0, **reports
+) -> JobView:
     """Nodes `names` registered (lease 1); a round `number` of `round_of` (lease 1) with `reports` about it."""
     nodes = {n: node(n) for n in names}
     result = JobView(nodes=nodes)
@@ -205,8 +215,9 @@ def test_failures_while_a_member_is_silent_call_the_roll_and_wait_without_a_time
 
 def test_a_silent_member_is_probed_once_when_probes_are_on_and_its_agent_has_a_port():
     probing = dataclasses.replace(SETTINGS, probe_timeout=0.5)
-    job = view("a", "b", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"}, failed={"a": failure("a")},
-               alive={"c": "n1"})  # fmt: skip
+    job = view(
+        "a", "b", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"}, failed={"a": failure("a")}, alive={"c": "n1"}
+    )
     job.rollcalls[0] = RollCall(round=0, nonce="n1")
     assert isinstance(at(job, T0, T0, probing), Wait), "b registered no probe port (an older agent): no probe"
     job.nodes["b"] = job.nodes["b"].model_copy(update={"probe_port": 4100})
@@ -338,11 +349,20 @@ def test_a_quarantined_node_is_readmitted_as_a_waiting_node_when_its_cooldown_en
 MEMBERS = [Member(n, 1, i, 1, i, f"10.0.0.{i + 1}") for i, n in enumerate("abcd")]  # a: .1, b: .2, c: .3, d: .4
 
 
-def worker(name: str, at: float, unreachable: tuple[str, ...] = (), broken: bool | None = None,
-           consequence: bool = False) -> WorkerFailure:  # fmt: skip
-    return WorkerFailure(node=name, round=0, local_rank=0, rank="abcd".index(name), exit_code=1, time=at,
-                         path_broken=bool(unreachable) if broken is None else broken, unreachable=list(unreachable),
-                         consequence=consequence)  # fmt: skip
+def worker(
+    name: str, at: float, unreachable: tuple[str, ...] = (), broken: bool | None = None, consequence: bool = False
+) -> WorkerFailure:
+    return WorkerFailure(
+        node=name,
+        round=0,
+        local_rank=0,
+        rank="abcd".index(name),
+        exit_code=1,
+        time=at,
+        path_broken=bool(unreachable) if broken is None else broken,
+        unreachable=list(unreachable),
+        consequence=consequence,
+    )
 
 
 PEER = {"consequence": True}  # it failed because a peer did

@@ -7,9 +7,9 @@ import signal
 import time
 
 import pytest
+from launcher_harness import pid_alive
 
 from launcher.process_tree import child_pids
-from launcher_harness import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -34,9 +34,11 @@ def test_a_node_stopped_past_its_lease_drops_its_old_workers_at_once_and_rejoins
 
     back = cluster.wait_for_world(3, timeout=60, after=time.time())  # it rejoined and a scale-up round took it back
     own = [line for line in stopped.text().splitlines() if "WARNING" in line or "ERROR" in line or "joined" in line]
-    print(f"\nSIGSTOP node c past its lease: the others' first collective at world 2 {smaller['time'] - stopped_at:.1f}s "
-          f"after the stop; after SIGCONT its stale workers were gone in {stale_s:.2f}s, world 3 again "
-          f"{back['time'] - resumed_at:.1f}s after it; its own log:\n  " + "\n  ".join(own))  # fmt: skip
+    print(
+        f"\nSIGSTOP node c past its lease: the others' first collective at world 2 {smaller['time'] - stopped_at:.1f}s "
+        f"after the stop; after SIGCONT its stale workers were gone in {stale_s:.2f}s, world 3 again "
+        f"{back['time'] - resumed_at:.1f}s after it; its own log:\n  " + "\n  ".join(own)
+    )
     assert any(e["node"] == "c" and e["reason"] == "lease expired" for e in cluster.events("node_lost"))
     assert [e for e in cluster.events("node_joined") if e["node"] == "c"][1:], "c registered again as a newcomer"
     for agent in agents:
@@ -66,8 +68,10 @@ def test_a_node_paused_past_the_probe_timeout_while_a_peer_fails_is_fenced_and_r
     its lease revoked; once resumed it finds its lease gone, drops its old workers and rejoins as a newcomer."""
     long_lease = "keep_alive_interval=0.5,keep_alive_max_attempt=8,last_call_timeout=1,join_timeout=60"
     probe = cluster.probe(300, 0.05)
-    agents = [cluster.start(n, probe, nnodes="2:3", nproc=1, rdzv_conf=long_lease, extra=["--max-restarts", "3"])
-              for n in ("a", "b", "c")]  # fmt: skip
+    agents = [
+        cluster.start(n, probe, nnodes="2:3", nproc=1, rdzv_conf=long_lease, extra=["--max-restarts", "3"])
+        for n in ("a", "b", "c")
+    ]
     cluster.wait_for_world(3, timeout=90)
     # neither the paused node nor the crashing one may be the controller: it must decide meanwhile
     victim, crashing = [agent for agent in agents if "now controls" not in agent.text()][:2]
@@ -83,8 +87,9 @@ def test_a_node_paused_past_the_probe_timeout_while_a_peer_fails_is_fenced_and_r
         time.sleep(max(0.0, crashed_at + 2 - time.time()))
         for pid in paused:
             os.kill(pid, signal.SIGCONT)
-    assert [(e["node"], e["reason"]) for e in lost] == [(victim.node_id, "no answer to a liveness probe within "
-                                                                         "probe_timeout=0.5s")]  # fmt: skip
+    assert [(e["node"], e["reason"]) for e in lost] == [
+        (victim.node_id, "no answer to a liveness probe within probe_timeout=0.5s")
+    ]
     assert lost[0]["time"] - crashed_at < 4, "before the lease could have ended"
     cluster.wait_for(lambda: not any(pid_alive(p) for p in old_workers), 10, "the paused node's old workers to go")
     cluster.wait_for_world(3, timeout=60, after=time.time())  # it rejoined; a scale-up round took it back

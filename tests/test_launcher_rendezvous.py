@@ -14,14 +14,13 @@ import subprocess
 import time
 
 import pytest
+from launcher_harness import FAST_RDZV, REPO, elastic_run_command, events, pid_alive
 
 from launcher import etcd_client
 from launcher.membership_log import read_events
 from launcher.process_tree import child_pids as children
-from launcher.protocol import JobKeys
-from launcher.protocol import JobStore
+from launcher.protocol import JobKeys, JobStore
 from launcher.records import NodeRecord, RoundHeader
-from launcher_harness import FAST_RDZV, REPO, elastic_run_command, events, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +63,9 @@ def read_jsonl(path) -> list[dict]:
 @pytest.mark.parametrize("victim_is_controller", [False, True], ids=["member", "controller"])
 def test_revoked_lease_reregisters_under_the_same_node_id_in_a_new_round(cluster, victim_is_controller):
     probe = cluster.probe(50, 0.1)
-    agents = {n: cluster.start(n, probe, nnodes="2", nproc=1, extra=["--max-restarts", "0"])
-              for n in ("node0", "node1")}  # fmt: skip
+    agents = {
+        n: cluster.start(n, probe, nnodes="2", nproc=1, extra=["--max-restarts", "0"]) for n in ("node0", "node1")
+    }
     cluster.wait_for_world(2, timeout=60)
 
     with etcd_session(cluster.endpoint) as client:
@@ -84,8 +84,11 @@ def test_revoked_lease_reregisters_under_the_same_node_id_in_a_new_round(cluster
         new = cluster.wait_for(registered_again, 15, f"{victim} to register again under a new lease")
         assert (new.node, new.pid) == (victim, agents[victim].pid), "the same agent, not a new one"
         cluster.wait_for(lambda: not any(pid_alive(p) for p in old_workers), 15, "the revoked node's workers to stop")
-        cluster.wait_for(lambda: [c for c in cluster.collectives() if c["round"] >= 1 and c["world_size"] == 2], 60,
-                         "a collective of the new round")  # fmt: skip
+        cluster.wait_for(
+            lambda: [c for c in cluster.collectives() if c["round"] >= 1 and c["world_size"] == 2],
+            60,
+            "a collective of the new round",
+        )
 
         for agent in agents.values():
             assert agent.wait(timeout=90) == 0, cluster.dump()
@@ -136,7 +139,7 @@ def test_malformed_values_under_the_prefix_are_named_once_and_ignored(cluster):
         assert warnings(agent, bogus_master) >= 1, agent.text()
         assert "unreachable" not in agent.text()
         assert events(agent, "job_finished")
-    for name, agent in agents.items():
+    for agent in agents.values():
         # once per process, though the controller's process parses state/ctl/ twice (its agent and its controller)
         assert warnings(agent, bogus_master) == 1, agent.text()
 
@@ -147,14 +150,27 @@ def test_sigterm_waits_for_slow_workers_and_leaves_without_a_loss(cluster, tmp_p
     worker_log = tmp_path / "slow.jsonl"
     args = ["--steps", "60", "--step-time", "0.1", "--sigterm-sleep", "4", "--log", str(worker_log)]
     agents = {
-        n: cluster.start(n, args, nnodes="2:3", nproc=1, script=SLOW_SIGTERM, env={"ELASTIC_TEST_NODE": n},
-                         extra=["--worker-stop-timeout", "10"])
+        n: cluster.start(
+            n,
+            args,
+            nnodes="2:3",
+            nproc=1,
+            script=SLOW_SIGTERM,
+            env={"ELASTIC_TEST_NODE": n},
+            extra=["--worker-stop-timeout", "10"],
+        )
         for n in ("a", "b", "c")
-    }  # fmt: skip
+    }
 
     def collective_in(world_size: int, after: float = 0.0):
-        return next((e for e in read_jsonl(worker_log) if e["event"] == "collective" and e["world_size"] == world_size
-                     and e["time"] > after), None)  # fmt: skip
+        return next(
+            (
+                e
+                for e in read_jsonl(worker_log)
+                if e["event"] == "collective" and e["world_size"] == world_size and e["time"] > after
+            ),
+            None,
+        )
 
     cluster.wait_for(lambda: collective_in(3), 90, "a collective in a world of 3")
     with etcd_session(cluster.endpoint) as client:
@@ -238,8 +254,11 @@ def test_workers_train_through_an_etcd_outage_without_a_restart(cluster, etcd, o
     assert any(down_at < c["time"] < up_at for c in collectives), "the workers trained while etcd was away"
 
     log = agent.membership()
-    assert [(e["event"], e.get("round")) for e in log] == [("node_joined", None), ("round_started", 0),
-                                                            ("job_finished", 0)], log  # fmt: skip
+    assert [(e["event"], e.get("round")) for e in log] == [
+        ("node_joined", None),
+        ("round_started", 0),
+        ("job_finished", 0),
+    ], log
     assert "killing the workers" not in agent.text() and "lost its membership" not in agent.text()
 
 
@@ -247,12 +266,17 @@ def test_workers_train_through_an_etcd_outage_without_a_restart(cluster, etcd, o
 @pytest.mark.timeout(180)
 def test_purge_refuses_a_running_job_then_deletes_exactly_the_finished_jobs_keys(cluster, tmp_path):
     def purge(job: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*elastic_run_command(), "purge", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", job],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        return subprocess.run(
+            [*elastic_run_command(), "purge", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", job],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     # another job whose id shares the string prefix "job": /elastic/job2/ must survive a purge of /elastic/job/
-    neighbour = cluster.start("n", ["--steps", "3", "--step-time", "0.01", "--log", str(tmp_path / "job2.jsonl")],
-                              rdzv_id="job2", nproc=1)  # fmt: skip
+    neighbour = cluster.start(
+        "n", ["--steps", "3", "--step-time", "0.01", "--log", str(tmp_path / "job2.jsonl")], rdzv_id="job2", nproc=1
+    )
     assert neighbour.wait(timeout=60) == 0, cluster.dump()
     agent = cluster.start("solo", cluster.probe(40, 0.1), nproc=1)
     cluster.wait_for_world(1, timeout=60)
@@ -301,13 +325,16 @@ def test_etcd_keeps_max_events_while_membership_jsonl_keeps_them_all(cluster):
     assert len(log) > 5, log
     assert names[0] == "node_joined" and names[-1] == "job_finished"
     assert [(e["round"], e["reason"]) for e in log if e["event"] == "round_started"] == [
-        (0, "initial"), (1, "worker_failed"), (2, "worker_failed")]  # fmt: skip
+        (0, "initial"),
+        (1, "worker_failed"),
+        (2, "worker_failed"),
+    ]
     assert [e["restart_count"] for e in log if e["event"] == "restart"] == [1, 2]
     assert sorted({e["round"] for e in log if e["event"] == "worker_failed"}) == [0, 1]
     # each event once (one transaction's events share a revision), in log order
     assert [e["revision"] for e in log] == sorted(e["revision"] for e in log)
     assert len({(e["revision"], e["event"], e["time"]) for e in log}) == len(log)
-    assert [e.model_dump(exclude_none=True) for e in stored] == log[-len(stored):], "etcd keeps the newest ones"
+    assert [e.model_dump(exclude_none=True) for e in stored] == log[-len(stored) :], "etcd keeps the newest ones"
     assert "kept the newest 5 events" in agent.text()
 
 
@@ -320,7 +347,12 @@ def test_trimming_never_drops_an_event_before_the_controllers_log_has_it(cluster
     assert agent.wait(timeout=90) == 0, cluster.dump()
     names = [e["event"] for e in agent.membership()]
     assert [n for n in names if n != "worker_failed"] == [
-        "node_joined", "round_started", "restart", "round_started", "job_finished"], names  # fmt: skip
+        "node_joined",
+        "round_started",
+        "restart",
+        "round_started",
+        "job_finished",
+    ], names
 
 
 @pytest.mark.timeout(180)

@@ -9,10 +9,10 @@ import subprocess
 import time
 
 import pytest
+from launcher_harness import FAST_RDZV, REPO, Cluster, elastic_run_command, events, pid_alive
 
 from launcher.etcd_server import free_port
 from launcher.process_tree import child_pids as children
-from launcher_harness import FAST_RDZV, REPO, Cluster, elastic_run_command, events, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,9 @@ def test_unmodified_torchrun_script_gets_torchruns_environment(cluster, tmp_path
     script = REPO / "tests" / "workers" / "env_dump.py"
     extra = [] if warm else ["--no-warm-workers"]
     agents = [
-        cluster.start(f"node{i}", [str(out), "3"], nnodes="2", nproc=2, script=script, extra=extra,
-                      env={"OMP_NUM_THREADS": None})  # fmt: skip
+        cluster.start(
+            f"node{i}", [str(out), "3"], nnodes="2", nproc=2, script=script, extra=extra, env={"OMP_NUM_THREADS": None}
+        )
         for i in range(2)
     ]
     for agent in agents:
@@ -72,7 +73,10 @@ def test_worker_crash_restarts_every_node_in_a_fresh_round(cluster, tmp_path):
     assert "injected failure" in failed[0]["message"]
     assert [e["restart_count"] for e in events(agent, "restart")] == [1]
     rounds = events(agent, "round_started")
-    assert [(r["round"], r["reason"], r["restart_count"]) for r in rounds] == [(0, "initial", 0), (1, "worker_failed", 1)]
+    assert [(r["round"], r["reason"], r["restart_count"]) for r in rounds] == [
+        (0, "initial", 0),
+        (1, "worker_failed", 1),
+    ]
     assert [e["event"] for e in agent.membership()][-1] == "job_finished"
 
     finished = [c for c in cluster.collectives() if c["round"] == 1]
@@ -120,8 +124,10 @@ def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
     log = cluster.log()
     lost = [e for e in log if e["event"] == "node_lost"]
     deposed = [e for e in log if e["event"] == "controller_lost"]
-    print(f"\nSIGKILL of the {victim_role}'s node: node_lost {lost[0]['time'] - killed_at:.2f}s after the kill "
-          f"({lost[0]['reason']}), first collective at world 4 {again['time'] - killed_at:.2f}s after it")  # fmt: skip
+    print(
+        f"\nSIGKILL of the {victim_role}'s node: node_lost {lost[0]['time'] - killed_at:.2f}s after the kill "
+        f"({lost[0]['reason']}), first collective at world 4 {again['time'] - killed_at:.2f}s after it"
+    )
     assert [e["node"] for e in lost] == [victim_id]
     if victim_role == "member":
         assert lost[0]["reason"] == "liveness probe refused: the agent is gone" and not deposed
@@ -162,8 +168,11 @@ def test_node_added_mid_run_joins_a_six_worker_round(cluster):
     cluster.wait_for_world(6, timeout=60)
 
     log = cluster.wait_for(cluster.log, 5, "the membership log")
-    cluster.wait_for(lambda: cluster.events("round_started")[-1:] and
-                     cluster.events("round_started")[-1]["world_size"] == 6, 10, "the log to show the round")  # fmt: skip
+    cluster.wait_for(
+        lambda: cluster.events("round_started")[-1:] and cluster.events("round_started")[-1]["world_size"] == 6,
+        10,
+        "the log to show the round",
+    )
     joined = next(e for e in cluster.events("node_joined") if e["node"] == "c")
     grown = cluster.events("round_started")[-1]
     assert grown["reason"] == "scale_up"
@@ -241,8 +250,9 @@ def test_two_jobs_on_one_etcd_do_not_see_each_other(cluster, tmp_path):
     jobs = {}
     for job in ("alpha", "beta"):
         log = tmp_path / f"{job}.jsonl"
-        jobs[job] = cluster.start(f"{job}-node", ["--steps", "5", "--step-time", "0.05", "--log", str(log)],
-                                  rdzv_id=job, nproc=1)  # fmt: skip
+        jobs[job] = cluster.start(
+            f"{job}-node", ["--steps", "5", "--step-time", "0.05", "--log", str(log)], rdzv_id=job, nproc=1
+        )
     for agent in jobs.values():
         assert agent.wait(timeout=90) == 0, cluster.dump()
     for job, agent in jobs.items():
@@ -252,8 +262,12 @@ def test_two_jobs_on_one_etcd_do_not_see_each_other(cluster, tmp_path):
 
 def test_agents_ride_out_an_etcd_restart(cluster, etcd):
     # a lease of 10 s: an agent fences itself only when etcd has been silent for most of its lease
-    agent = cluster.start("solo", cluster.probe(100, 0.1), nproc=2,
-                          rdzv_conf="keep_alive_interval=0.5,keep_alive_max_attempt=20,last_call_timeout=1")  # fmt: skip
+    agent = cluster.start(
+        "solo",
+        cluster.probe(100, 0.1),
+        nproc=2,
+        rdzv_conf="keep_alive_interval=0.5,keep_alive_max_attempt=20,last_call_timeout=1",
+    )
     cluster.wait_for_world(2, timeout=90)
     etcd.process.kill()
     etcd.process.wait()
@@ -277,8 +291,9 @@ def test_endpoint_list_fails_over_to_a_live_etcd_member(etcd, tmp_path):
 
 
 def test_too_few_nodes_for_join_timeout_fails_the_job(cluster):
-    agent = cluster.start("lonely", cluster.probe(5, 0.05), nnodes="2", nproc=1,
-                          rdzv_conf="keep_alive_interval=0.5,join_timeout=3")  # fmt: skip
+    agent = cluster.start(
+        "lonely", cluster.probe(5, 0.05), nnodes="2", nproc=1, rdzv_conf="keep_alive_interval=0.5,join_timeout=3"
+    )
     assert agent.wait(timeout=60) == 1, cluster.dump()
     failed = events(agent, "job_failed")
     assert len(failed) == 1 and "1 of at least 2 node(s) joined within join_timeout=3s" in failed[0]["message"]
@@ -298,10 +313,22 @@ def test_redirects_and_tee_split_worker_output_like_torchrun(cluster):
 
 def test_log_follow_prints_events_as_they_arrive_and_stops_at_the_end(cluster):
     follow = subprocess.Popen(
-        [*elastic_run_command(), "log", "--rdzv-endpoint", cluster.endpoint, "--rdzv-id", "job", "--json",
-         "--follow", "--interval", "0.2"],
-        stdout=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        [
+            *elastic_run_command(),
+            "log",
+            "--rdzv-endpoint",
+            cluster.endpoint,
+            "--rdzv-id",
+            "job",
+            "--json",
+            "--follow",
+            "--interval",
+            "0.2",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         agent = cluster.start("solo", cluster.probe(10, 0.1), nproc=1)
         assert agent.wait(timeout=60) == 0, cluster.dump()

@@ -53,25 +53,36 @@ def test_assign_ranks_is_deterministic_and_cumulative():
     nodes = {"b": node("b", 2, 1.0), "a": node("a", 3, 1.0), "c": node("c", 1, 0.5)}
     members = assign_ranks(None, nodes, max_nodes=8)
     assert [(m.node, m.group_rank, m.first_rank, m.last_rank) for m in members] == [
-        ("c", 0, 0, 0), ("a", 1, 1, 3), ("b", 2, 4, 5),
-    ]  # fmt: skip
+        ("c", 0, 0, 0),
+        ("a", 1, 1, 3),
+        ("b", 2, 4, 5),
+    ]
     assert assign_ranks(None, dict(reversed(list(nodes.items()))), 8) == members
 
 
 def test_survivors_keep_their_order_and_newcomers_fill_up_to_max():
-    first = RoundRecord.of(0, assign_ranks(None, {
-        "x": node("x", joined_at=2), "y": node("y", joined_at=1), "z": node("z", joined_at=3)}, 3), 0, "initial")  # fmt: skip
+    first = RoundRecord.of(
+        0,
+        assign_ranks(None, {"x": node("x", joined_at=2), "y": node("y", joined_at=1), "z": node("z", joined_at=3)}, 3),
+        0,
+        "initial",
+    )
     assert [m.node for m in first.members] == ["y", "x", "z"]
-    alive = {"x": node("x", joined_at=2), "z": node("z", joined_at=3), "new1": node("new1", joined_at=0),
-             "new2": node("new2", joined_at=9)}  # fmt: skip
+    alive = {
+        "x": node("x", joined_at=2),
+        "z": node("z", joined_at=3),
+        "new1": node("new1", joined_at=0),
+        "new2": node("new2", joined_at=9),
+    }
     second = assign_ranks(first, alive, max_nodes=3)
     assert [m.node for m in second] == ["x", "z", "new1"]  # new2 waits as a spare
     assert [m.first_rank for m in second] == [0, 2, 4]
 
 
 def test_a_node_that_registered_again_is_a_newcomer_not_a_survivor():
-    first = RoundRecord.of(0, assign_ranks(None, {"x": node("x", joined_at=1), "y": node("y", joined_at=2)}, 2), 0,
-                           "initial")  # fmt: skip
+    first = RoundRecord.of(
+        0, assign_ranks(None, {"x": node("x", joined_at=1), "y": node("y", joined_at=2)}, 2), 0, "initial"
+    )
     again = {"x": node("x", joined_at=5, lease=8), "y": node("y", joined_at=2)}
     second = assign_ranks(first, again, max_nodes=2)
     assert [(m.node, m.incarnation) for m in second] == [("y", 7), ("x", 8)]
@@ -93,8 +104,9 @@ def test_drain_answers_survive_the_round_trip_through_etcd_values(report):
 
 def test_root_cause_is_the_earliest_failure():
     late = WorkerFailure(node="b", round=0, local_rank=0, rank=2, exit_code=1, time=10.5)
-    first = WorkerFailure(node="a", round=0, local_rank=1, rank=1, exit_code=-9, time=10.1,
-                          traceback="Traceback ...\nRuntimeError: boom")  # fmt: skip
+    first = WorkerFailure(
+        node="a", round=0, local_rank=1, rank=1, exit_code=-9, time=10.1, traceback="Traceback ...\nRuntimeError: boom"
+    )
     assert root_cause([late, first]) is first
     summary = failure_summary("job", 3, first)
     assert "root cause node a, rank 1 (local_rank 1), killed by signal 9" in summary

@@ -23,16 +23,20 @@ def test_a_live_agent_answers_with_its_incarnation():
     try:
         assert probe("127.0.0.1", server.port, 0x1F2E, timeout=2.0) is None
         assert probe("127.0.0.1", server.port, 0x99, timeout=2.0) == Miss(
-            "liveness probe answered by another incarnation (1f2e)", certain=True)
+            "liveness probe answered by another incarnation (1f2e)", certain=True
+        )
     finally:
         server.stop()
     assert probe("127.0.0.1", server.port, 0x1F2E, timeout=2.0) == Miss(
-        "liveness probe refused: the agent is gone", certain=True), "stopped: the port is closed"
+        "liveness probe refused: the agent is gone", certain=True
+    ), "stopped: the port is closed"
 
 
 def test_a_stopped_agent_does_not_answer_within_the_timeout():
-    code = ("from launcher.liveness import LivenessServer; import time; s = LivenessServer('127.0.0.1').start(); "
-            "s.incarnation = 7; print(s.port, flush=True); time.sleep(60)")  # fmt: skip
+    code = (
+        "from launcher.liveness import LivenessServer; import time; s = LivenessServer('127.0.0.1').start(); "
+        "s.incarnation = 7; print(s.port, flush=True); time.sleep(60)"
+    )
     agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         port = int(agent.stdout.readline())
@@ -42,7 +46,8 @@ def test_a_stopped_agent_does_not_answer_within_the_timeout():
             time.sleep(0.01)  # the stop takes effect asynchronously
         started = time.monotonic()
         assert probe("127.0.0.1", port, 7, timeout=0.3) == Miss(
-            "no answer to a liveness probe within probe_timeout=0.3s", certain=False)
+            "no answer to a liveness probe within probe_timeout=0.3s", certain=False
+        )
         assert time.monotonic() - started < 1.0
     finally:
         agent.kill()

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from netns_harness import NODE_IFACE, Network, hostname_resolution, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,17 +49,37 @@ def agent_env() -> dict[str, str]:
     return env
 
 
-def run_job(network: Network, root: Path, rdzv_id: str, script: Path, script_args: list[str],
-            timeout_s: float = 150.0) -> list[tuple[int | None, str]]:  # fmt: skip
+def run_job(
+    network: Network, root: Path, rdzv_id: str, script: Path, script_args: list[str], timeout_s: float = 150.0
+) -> list[tuple[int | None, str]]:
     """One agent per node namespace, no --local-addr (the address facing etcd); (exit code, output) of each."""
     agents = []
     for i, ns in enumerate(network.node_ns):
         command = [
-            sys.executable, "-m", "launcher.cli", "--nnodes", str(NODES), "--nproc-per-node", str(NPROC),
-            "--rdzv-backend", "etcd", "--rdzv-endpoint", network.endpoint, "--rdzv-id", rdzv_id,
-            "--rdzv-conf", FAST_RDZV, "--node-id", f"node{i}", "--log-dir", str(root / f"node{i}"),
-            "--worker-stop-timeout", "2", str(script), *script_args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "launcher.cli",
+            "--nnodes",
+            str(NODES),
+            "--nproc-per-node",
+            str(NPROC),
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            network.endpoint,
+            "--rdzv-id",
+            rdzv_id,
+            "--rdzv-conf",
+            FAST_RDZV,
+            "--node-id",
+            f"node{i}",
+            "--log-dir",
+            str(root / f"node{i}"),
+            "--worker-stop-timeout",
+            "2",
+            str(script),
+            *script_args,
+        ]
         output = root / f"node{i}.out"
         agents.append((network.popen(ns, command, output, env=agent_env(), cwd=REPO), output))
     deadline = time.monotonic() + timeout_s
@@ -84,8 +103,9 @@ def test_job_across_namespaces_without_gloo_ifname(network, tmp_path):
     assert resolved and ipaddress.ip_address(resolved) not in map(ipaddress.ip_address, network.node_addrs)
     probe_log = tmp_path / "probe.jsonl"
     steps = 20
-    results = run_job(network, tmp_path, "job", PROBE,
-                      ["--steps", str(steps), "--step-time", "0.05", "--log", str(probe_log)])  # fmt: skip
+    results = run_job(
+        network, tmp_path, "job", PROBE, ["--steps", str(steps), "--step-time", "0.05", "--log", str(probe_log)]
+    )
     assert [rc for rc, _ in results] == [0] * NODES, describe(results)
     collectives = [json.loads(line) for line in probe_log.read_text().splitlines() if line.strip()]
     at_six = [c for c in collectives if c["world_size"] == NODES * NPROC]

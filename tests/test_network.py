@@ -138,8 +138,14 @@ def test_addresses_on_veth_interfaces_in_a_namespace():
             "addrs = ['10.77.9.2', '10.77.9.3', '10.77.8.2', 'fd77::2', '10.77.9.9', '127.0.0.1']\n"
             "print(json.dumps({a: [interface_holding(a), gloo_interface_env(a, {})] for a in addrs}))\n"
         )
-        result = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", probe], cwd=REPO,
-                                capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        result = subprocess.run(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", probe],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         assert json.loads(result.stdout) == {
             "10.77.9.2": ["gloo0", {"GLOO_SOCKET_IFNAME": "gloo0"}],
             "10.77.9.3": ["gloo0", {"GLOO_SOCKET_IFNAME": "gloo0"}],
@@ -163,8 +169,18 @@ def test_single_host_job_workers_see(user_value, tmp_path):
         env["GLOO_SOCKET_IFNAME"] = user_value
     out = tmp_path / "env"
     out.mkdir()
-    command = [sys.executable, "-m", "launcher.cli", "--standalone", "--nproc-per-node", "2",
-               "--log-dir", str(tmp_path / "logs"), str(GLOO_ENV), str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "launcher.cli",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        str(GLOO_ENV),
+        str(out),
+    ]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
     assert result.returncode == 0, result.stderr[-4000:]
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

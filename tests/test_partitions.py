@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from netns_harness import PartitionNetwork, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,8 +75,17 @@ def agent_env() -> dict[str, str]:
 class Job:
     """One elastic-run agent of one job per node namespace, each node with one worker and a probe log of its own."""
 
-    def __init__(self, net: PartitionNetwork, root: Path, *, nnodes: str, rdzv_conf: str, steps: int,
-                 extra: list[str] = (), rdzv_id: str = "job") -> None:  # fmt: skip
+    def __init__(
+        self,
+        net: PartitionNetwork,
+        root: Path,
+        *,
+        nnodes: str,
+        rdzv_conf: str,
+        steps: int,
+        extra: list[str] = (),
+        rdzv_id: str = "job",
+    ) -> None:
         self.net = net
         self.root = root
         self.nnodes = nnodes
@@ -87,15 +95,41 @@ class Job:
         self.rdzv_id = rdzv_id
         self.agents: list[subprocess.Popen] = []
 
-    def start(self) -> "Job":
+    def start(self) -> Job:
         for i, ns in enumerate(self.net.node_ns):
             command = [
-                sys.executable, "-m", "launcher.cli", "--nnodes", self.nnodes, "--nproc-per-node", "1",
-                "--rdzv-backend", "etcd", "--rdzv-endpoint", self.net.endpoint, "--rdzv-id", self.rdzv_id,
-                "--rdzv-conf", self.rdzv_conf, "--node-id", f"node{i}", "--local-addr", self.net.node_addrs[i],
-                "--log-dir", str(self.root / f"node{i}"), "--worker-stop-timeout", "2", *self.extra,
-                str(PROBE), "--steps", str(self.steps), "--step-time", str(STEP_TIME), "--log", str(self.probe_log(i)),
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "launcher.cli",
+                "--nnodes",
+                self.nnodes,
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                self.net.endpoint,
+                "--rdzv-id",
+                self.rdzv_id,
+                "--rdzv-conf",
+                self.rdzv_conf,
+                "--node-id",
+                f"node{i}",
+                "--local-addr",
+                self.net.node_addrs[i],
+                "--log-dir",
+                str(self.root / f"node{i}"),
+                "--worker-stop-timeout",
+                "2",
+                *self.extra,
+                str(PROBE),
+                "--steps",
+                str(self.steps),
+                "--step-time",
+                str(STEP_TIME),
+                "--log",
+                str(self.probe_log(i)),
+            ]
             self.agents.append(self.net.popen(ns, command, self.output_path(i), env=agent_env(), cwd=LAUNCHER_ROOT))
         return self
 
@@ -123,8 +157,14 @@ class Job:
         return sorted(found, key=lambda c: c["time"])
 
     def first_collective(self, world_size: int, after: float, nodes: set[int] | None = None) -> dict | None:
-        return next((c for c in self.collectives() if c["world_size"] == world_size and c["time"] > after
-                     and (nodes is None or c["node"] in nodes)), None)  # fmt: skip
+        return next(
+            (
+                c
+                for c in self.collectives()
+                if c["world_size"] == world_size and c["time"] > after and (nodes is None or c["node"] in nodes)
+            ),
+            None,
+        )
 
     def wait_for(self, predicate, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -140,10 +180,12 @@ class Job:
             return value
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.dump()}")
 
-    def wait_for_world(self, world_size: int, timeout: float, after: float = 0.0,
-                       nodes: set[int] | None = None) -> dict:  # fmt: skip
-        return self.wait_for(lambda: self.first_collective(world_size, after, nodes), timeout,
-                             f"a collective at world size {world_size}")  # fmt: skip
+    def wait_for_world(
+        self, world_size: int, timeout: float, after: float = 0.0, nodes: set[int] | None = None
+    ) -> dict:
+        return self.wait_for(
+            lambda: self.first_collective(world_size, after, nodes), timeout, f"a collective at world size {world_size}"
+        )
 
     def wait_exit(self, timeout: float) -> list[int | None]:
         deadline = time.monotonic() + timeout
@@ -204,8 +246,11 @@ def pid_alive(pid: int) -> bool:
 
 def rounds(events: list[dict]) -> list[tuple[int, int, str, int]]:
     """(round, world size, reason, restart count) of every round_started."""
-    return [(e["round"], e["world_size"], e.get("reason"), e.get("restart_count", 0)) for e in events
-            if e["event"] == "round_started"]  # fmt: skip
+    return [
+        (e["round"], e["world_size"], e.get("reason"), e.get("restart_count", 0))
+        for e in events
+        if e["event"] == "round_started"
+    ]
 
 
 def report(case: str, text: str) -> None:
@@ -218,8 +263,11 @@ def _cut_and_heal(make_network, tmp_path, case: str, cut, heal, choose) -> None:
     net = make_network(3)
     job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=FAST_RDZV, steps=200).start()
     job.wait_for_world(3, timeout=60)
-    job.wait_for(lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3, 20,
-                 "every node training in round 0")  # fmt: skip
+    job.wait_for(
+        lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3,
+        20,
+        "every node training in round 0",
+    )
     time.sleep(0.5)
     victim = choose(job)
     old_pids = job.worker_pids(victim, round_=0)
@@ -242,10 +290,16 @@ def _cut_and_heal(make_network, tmp_path, case: str, cut, heal, choose) -> None:
     rejoined_s = back["time"] - heal_at
     rcs = job.wait_exit(timeout=90)
     events = job.membership()
-    victim_lines = [line for line in job.output(victim).splitlines()
-                    if any(word in line for word in ("WARNING", "ERROR", "joined job", "now controls"))]  # fmt: skip
-    report(case, f"node{victim} cut: first collective at world 2 after {recovered_s:.1f}s; healed: first collective "
-                 f"at world 3 after {rejoined_s:.1f}s; rounds {rounds(events)}")  # fmt: skip
+    victim_lines = [
+        line
+        for line in job.output(victim).splitlines()
+        if any(word in line for word in ("WARNING", "ERROR", "joined job", "now controls"))
+    ]
+    report(
+        case,
+        f"node{victim} cut: first collective at world 2 after {recovered_s:.1f}s; healed: first collective "
+        f"at world 3 after {rejoined_s:.1f}s; rounds {rounds(events)}",
+    )
     report(case, f"node{victim}'s own log:\n  " + "\n  ".join(victim_lines))
     assert rcs == [0, 0, 0], job.dump()
     joined = [e for e in events if e["event"] == "node_joined" and e["node"] == f"node{victim}"]
@@ -253,7 +307,10 @@ def _cut_and_heal(make_network, tmp_path, case: str, cut, heal, choose) -> None:
     assert any(e["event"] == "node_lost" and e["node"] == f"node{victim}" and e["round"] == 0 for e in events), events
     # the loss never counts as a restart, and the node came back through a scale-up round
     assert [(w, reason, restarts) for _, w, reason, restarts in rounds(events)] == [
-        (3, "initial", 0), (2, "node_lost", 0), (3, "scale_up", 0)], events  # fmt: skip
+        (3, "initial", 0),
+        (2, "node_lost", 0),
+        (3, "scale_up", 0),
+    ], events
     assert recovered_s < 2 + 20, f"survivors took {recovered_s:.1f}s (lease TTL 2 s + start-up)"
 
 
@@ -261,8 +318,14 @@ def _cut_and_heal(make_network, tmp_path, case: str, cut, heal, choose) -> None:
 def test_node_cut_from_everything_fences_and_rejoins(make_network, tmp_path):
     """Case 1: the controller's node loses every link: the survivors train at 2 within TTL + start-up, the cut node
     kills its workers on its own, and once its link returns it rejoins and a scale-up round takes it back."""
-    _cut_and_heal(make_network, tmp_path, "cut-from-everything", PartitionNetwork.cut_node, PartitionNetwork.heal_node,
-                  choose=lambda job: job.controller_node())  # fmt: skip
+    _cut_and_heal(
+        make_network,
+        tmp_path,
+        "cut-from-everything",
+        PartitionNetwork.cut_node,
+        PartitionNetwork.heal_node,
+        choose=lambda job: job.controller_node(),
+    )
 
 
 @pytest.mark.timeout(300)
@@ -272,11 +335,20 @@ def test_node_cut_from_etcd_only_fences_and_rejoins(make_network, tmp_path):
 
     def choose(job: Job) -> int:
         controller, rank0 = job.controller_node(), job.node_of_rank(0, round_=0)
-        return next(i for i in range(3) if i not in (controller, rank0)) if controller != rank0 else \
-            next(i for i in range(3) if i != controller)  # fmt: skip
+        return (
+            next(i for i in range(3) if i not in (controller, rank0))
+            if controller != rank0
+            else next(i for i in range(3) if i != controller)
+        )
 
-    _cut_and_heal(make_network, tmp_path, "cut-from-etcd", PartitionNetwork.cut_from_etcd,
-                  PartitionNetwork.heal_to_etcd, choose=choose)  # fmt: skip
+    _cut_and_heal(
+        make_network,
+        tmp_path,
+        "cut-from-etcd",
+        PartitionNetwork.cut_from_etcd,
+        PartitionNetwork.heal_to_etcd,
+        choose=choose,
+    )
 
 
 def _steer_leader(job: Job, net: PartitionNetwork) -> tuple[int, dict[int, set[int]]]:
@@ -299,8 +371,12 @@ def _assert_undisturbed(job: Job, case: str, pids: dict[int, set[int]], fault_at
     """No worker restart and no membership change: one round, the same worker on every node, every agent exit 0."""
     events = job.membership()
     after = next((c for c in job.collectives() if c["time"] > fault_at), None)
-    report(case, f"first collective after the fault: {after['time'] - fault_at:.2f}s later" if after else
-           "no collective after the fault")  # fmt: skip
+    report(
+        case,
+        f"first collective after the fault: {after['time'] - fault_at:.2f}s later"
+        if after
+        else "no collective after the fault",
+    )
     for i in range(len(job.agents)):
         lines = job.warnings(i)
         report(case, f"node{i}: {len(lines)} warning(s)" + "".join(f"\n  {line[:300]}" for line in lines[:12]))
@@ -314,8 +390,6 @@ def _assert_undisturbed(job: Job, case: str, pids: dict[int, set[int]], fault_at
         assert {c["pid"] for c in job.collectives(i)} == pids[i], f"node{i}'s worker changed\n{job.dump()}"
 
 
-
-
 @pytest.mark.timeout(300)
 def test_etcd_leader_cut_mid_run_changes_nothing(make_network, tmp_path):
     """Case 3a: a 3-member etcd cluster loses its leader (the member the controller talks to) for good: the other
@@ -324,8 +398,11 @@ def test_etcd_leader_cut_mid_run_changes_nothing(make_network, tmp_path):
     longer than that (a follower forwards keep-alives to the old leader until the call's deadline)."""
     net = make_network(3, etcd_members=3)
     job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=SLOW_RDZV, steps=300).start()
-    job.wait_for(lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3, 60,
-                 "every node training in round 0")  # fmt: skip
+    job.wait_for(
+        lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3,
+        60,
+        "every node training in round 0",
+    )
     leader, connections = _steer_leader(job, net)
     time.sleep(1.0)
     pids = {i: job.worker_pids(i, round_=0) for i in range(3)}
@@ -335,9 +412,12 @@ def test_etcd_leader_cut_mid_run_changes_nothing(make_network, tmp_path):
     while net.etcd_leader(others) in (None, leader) and time.time() - cut_at < 10:
         time.sleep(0.1)
     elected_s = time.time() - cut_at
-    report("etcd-leader-cut", f"cut m{leader} (leader; agents' connections {connections}, controller "
-                              f"node{job.controller_node()}); new leader m{net.etcd_leader(others)} "
-                              f"within {elected_s:.1f}s")  # fmt: skip
+    report(
+        "etcd-leader-cut",
+        f"cut m{leader} (leader; agents' connections {connections}, controller "
+        f"node{job.controller_node()}); new leader m{net.etcd_leader(others)} "
+        f"within {elected_s:.1f}s",
+    )
     rcs = job.wait_exit(timeout=60)
     _assert_undisturbed(job, "etcd-leader-cut", pids, cut_at, rcs)
 
@@ -348,8 +428,11 @@ def test_etcd_quorum_lost_briefly_changes_nothing(make_network, tmp_path):
     etcd has no quorum meanwhile; once it is back, the workers still run and the membership is unchanged."""
     net = make_network(3, etcd_members=3)
     job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=SLOW_RDZV, steps=300).start()
-    job.wait_for(lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3, 60,
-                 "every node training in round 0")  # fmt: skip
+    job.wait_for(
+        lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3,
+        60,
+        "every node training in round 0",
+    )
     leader, connections = _steer_leader(job, net)
     second = next(j for j in range(3) if j != leader)
     time.sleep(1.0)
@@ -363,12 +446,13 @@ def test_etcd_quorum_lost_briefly_changes_nothing(make_network, tmp_path):
     net.heal_member(second)
     while net.etcd_leader() is None and time.time() - heal_at < 10:
         time.sleep(0.1)
-    report("etcd-quorum-lost", f"cut m{leader} (leader) and m{second} for {heal_at - cut_at:.1f}s (agents' connections "
-                               f"{connections}); a leader again {time.time() - heal_at:.1f}s after the heal")
+    report(
+        "etcd-quorum-lost",
+        f"cut m{leader} (leader) and m{second} for {heal_at - cut_at:.1f}s (agents' connections "
+        f"{connections}); a leader again {time.time() - heal_at:.1f}s after the heal",
+    )
     rcs = job.wait_exit(timeout=60)
     _assert_undisturbed(job, "etcd-quorum-lost", pids, cut_at, rcs)
-
-
 
 
 @pytest.mark.timeout(300)
@@ -383,10 +467,19 @@ def test_node_cut_from_one_peer_is_quarantined(make_network, tmp_path, how):
     drop: the path between them drops everything (a real broken link). reject: their traffic to each other is
     refused (a firewall rule; a new connection fails at once)."""
     net = make_network(3)
-    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=FAST_RDZV + ",quarantine_after=2", steps=200,
-              extra=["--watchdog-timeout", "3", "--max-restarts", "6"]).start()  # fmt: skip
-    job.wait_for(lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3, 60,
-                 "every node training in round 0")  # fmt: skip
+    job = Job(
+        net,
+        tmp_path,
+        nnodes="2:3",
+        rdzv_conf=FAST_RDZV + ",quarantine_after=2",
+        steps=200,
+        extra=["--watchdog-timeout", "3", "--max-restarts", "6"],
+    ).start()
+    job.wait_for(
+        lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3,
+        60,
+        "every node training in round 0",
+    )
     time.sleep(0.5)
     controller = job.controller_node()
     a, b = (i for i in range(3) if i != controller)
@@ -395,23 +488,35 @@ def test_node_cut_from_one_peer_is_quarantined(make_network, tmp_path, how):
     # the job trains again without one of a, b (the right outcome), or runs out of restarts; with drop, round 1's
     # start-up hang is caught at the start-up allowance (5 x the start-up seen: 15 s at 3 s), most of the wait
     try:
-        job.wait_for(lambda: job.first_collective(2, cut_at) or all(agent.poll() is not None for agent in job.agents),
-                     90, "a collective at world size 2, or the job's end")  # fmt: skip
+        job.wait_for(
+            lambda: job.first_collective(2, cut_at) or all(agent.poll() is not None for agent in job.agents),
+            90,
+            "a collective at world size 2, or the job's end",
+        )
     except AssertionError:
         pass
     recovered = job.first_collective(2, cut_at)
     rcs = job.wait_exit(timeout=60 if recovered else 5)
     events = job.membership()
     quarantined = [e["node"] for e in events if e["event"] == "node_quarantined"]
-    failures = [(e["round"], e["event"], e["node"], e.get("rank"), (e.get("message") or "")[:400]) for e in events
-                if e["event"] in ("worker_failed", "worker_hung")]  # fmt: skip
+    failures = [
+        (e["round"], e["event"], e["node"], e.get("rank"), (e.get("message") or "")[:400])
+        for e in events
+        if e["event"] in ("worker_failed", "worker_hung")
+    ]
     case = f"cut-from-one-peer-{how}"
-    report(case, f"cut node{a} <-> node{b} ({mode}; node{controller}, the controller, reaches both); quarantined "
-                 f"{quarantined}; exit codes {rcs}; rounds {rounds(events)}")  # fmt: skip
+    report(
+        case,
+        f"cut node{a} <-> node{b} ({mode}; node{controller}, the controller, reaches both); quarantined "
+        f"{quarantined}; exit codes {rcs}; rounds {rounds(events)}",
+    )
     report(case, "failures (round, event, node, rank, message):\n  " + "\n  ".join(map(str, failures)))
     for end in (a, b):
-        own = [line for line in job.output(end).splitlines() if any(word in line for word in ("WARNING", "ERROR",
-               "quarantin", "spare", "joined job"))]  # fmt: skip
+        own = [
+            line
+            for line in job.output(end).splitlines()
+            if any(word in line for word in ("WARNING", "ERROR", "quarantin", "spare", "joined job"))
+        ]
         report(case, f"node{end}'s own log:\n  " + "\n  ".join(line[:300] for line in own[:16]))
     if recovered:
         trained = sorted({c["node"] for c in job.collectives() if c["world_size"] == 2 and c["time"] > cut_at})

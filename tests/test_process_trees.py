@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher_harness import REPO, pid_alive
 
 from launcher.process_tree import child_pids, descendant_pids, stop_group, supervised_command
-from launcher_harness import REPO, pid_alive
 
 SPAWNER = REPO / "tests" / "workers" / "spawner.py"
 
@@ -105,8 +105,9 @@ def test_supervisor_exits_with_the_workers_status():
         "import os; os.abort()": -signal.SIGABRT,
     }
     for code, expected in cases.items():
-        process = subprocess.Popen(supervised_command([sys.executable, "-c", code]), start_new_session=True,
-                                   stderr=subprocess.DEVNULL)  # fmt: skip
+        process = subprocess.Popen(
+            supervised_command([sys.executable, "-c", code]), start_new_session=True, stderr=subprocess.DEVNULL
+        )
         try:
             assert process.wait(timeout=20) == expected, code
         finally:
@@ -120,8 +121,13 @@ def test_worker_keeps_its_environment_and_output(tmp_path):
     code = "import os, sys; print(os.environ['TORCHELASTIC_ERROR_FILE']); print('err', file=sys.stderr)"
     env = dict(os.environ, TORCHELASTIC_ERROR_FILE=str(tmp_path / "error.json"))
     with open(out, "wb") as sink:
-        process = subprocess.Popen(supervised_command([sys.executable, "-c", code]), env=env, stdout=sink,
-                                   stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            supervised_command([sys.executable, "-c", code]),
+            env=env,
+            stdout=sink,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
     try:
         _, stderr = process.communicate(timeout=20)
     finally:
@@ -140,8 +146,11 @@ def test_parent_sigkill_takes_the_whole_tree(marker, tmp_path):
         "subprocess.Popen(supervised_command(sys.argv[1:]), start_new_session=True)\n"
         "time.sleep(600)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", parent_code, *spawner(marker, tmp_path)],
-                              env=dict(os.environ, RANK="0"), start_new_session=True)  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code, *spawner(marker, tmp_path)],
+        env=dict(os.environ, RANK="0"),
+        start_new_session=True,
+    )
     try:
         worker = wait_until(lambda: ready(tmp_path, 1), 30, "the worker's sleeps")[0]
         assert len(sleeps_of(marker)) == 3
@@ -229,8 +238,7 @@ def test_sigterm_to_the_agent_stops_every_descendant_of_its_workers(cluster, mar
 def test_worker_exit_code_is_reported_and_its_descendants_die(cluster, marker, tmp_path):
     out = tmp_path / "ready"
     out.mkdir()
-    agent = cluster.start("solo", ["--marker", marker, "--dir", str(out), "--exit-code", "3"], nproc=1,
-                          script=SPAWNER)  # fmt: skip
+    agent = cluster.start("solo", ["--marker", marker, "--dir", str(out), "--exit-code", "3"], nproc=1, script=SPAWNER)
     assert agent.wait(timeout=60) == 1, cluster.dump()
     assert ready(out, 1)
     failed = [e for e in agent.membership() if e["event"] == "worker_failed"]

@@ -31,10 +31,33 @@ GLOBAL_BATCH = 8
 # 1200 characters in windows of 32 make 37 sequences, so 12 steps of 8 cross two epoch boundaries mid-step.
 DATASET_SIZE = 37
 TINY_RUN = [
-    "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH), "--micro-batch", "2", "--seed", "3",
-    "--lr", "3e-3", "--warmup-steps", "3", "--ckpt-every", "4", "--seq-len", "32", "--d-model", "32",
-    "--n-layer", "2", "--n-head", "2", "--dropout", "0.1", "--corpus-chars", "1200",
-]  # fmt: skip
+    "--steps",
+    str(STEPS),
+    "--global-batch",
+    str(GLOBAL_BATCH),
+    "--micro-batch",
+    "2",
+    "--seed",
+    "3",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "3",
+    "--ckpt-every",
+    "4",
+    "--seq-len",
+    "32",
+    "--d-model",
+    "32",
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--dropout",
+    "0.1",
+    "--corpus-chars",
+    "1200",
+]
 
 # Loss tolerance. Every world size computes the same math, but fp32 sums run in another order:
 # another micro-batch composition changes the BLAS blocking of the matmuls, and FSDP's gradient
@@ -47,13 +70,27 @@ TINY_RUN = [
 LOSS_RTOL = 1e-6
 
 
-def torchrun(nproc: int, log: Path, ckpt: Path, *extra: str, round_number: int = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, log: Path, ckpt: Path, *extra: str, round_number: int = 0, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run the trainer on `nproc` local ranks; kill the whole launch on timeout."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-        "--nproc-per-node", str(nproc), str(TRAIN), *TINY_RUN,
-        "--ckpt-dir", str(ckpt), "--sample-log", str(log), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        str(TRAIN),
+        *TINY_RUN,
+        "--ckpt-dir",
+        str(ckpt),
+        "--sample-log",
+        str(log),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ELASTIC_ROUND": str(round_number)}
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -154,8 +191,10 @@ def test_resized_run_matches_the_fixed_run(fixed_run: tuple[dict, Path], tmp_pat
     print(f"\nper-step loss, fixed 2 ranks vs resized 2 -> 3 -> 1 (largest relative difference {largest:.2e}):")
     for step in range(1, STEPS + 1):
         fixed, resized = step_value(reference[step], "loss"), step_value(history[step], "loss")
-        print(f"  step {step:2d}  world {history[step][0]['world_size']}  fixed {fixed:.7f}  resized {resized:.7f}  "
-              f"rel {abs(resized - fixed) / fixed:.1e}")  # fmt: skip
+        print(
+            f"  step {step:2d}  world {history[step][0]['world_size']}  fixed {fixed:.7f}  resized {resized:.7f}  "
+            f"rel {abs(resized - fixed) / fixed:.1e}"
+        )
 
 
 def test_failure_redoes_uncommitted_steps_with_the_same_samples(fixed_run: tuple[dict, Path], tmp_path: Path) -> None:
@@ -224,8 +263,10 @@ def test_torchtitan_layout_loads_at_a_larger_world_size(fixed_run: tuple[dict, P
 def test_inconsistent_flags_fail_before_any_process_group_starts() -> None:
     result = subprocess.run(
         [sys.executable, str(TRAIN), "--steps", "10", "--stop-at", "12", "--ckpt-dir", "unused", "--d-model", "30"],
-        capture_output=True, text=True, timeout=50,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert result.returncode == 2
     assert "--stop-at (12) is past the last step (--steps 10)" in result.stderr
     assert "--d-model (30) must be a multiple of --n-head (4)" in result.stderr
@@ -256,8 +297,10 @@ def test_each_bad_flag_is_one_line_and_exit_2(flags: list[str], message: str) ->
     "flags, message",
     [
         (["--device", "cuda"], "train.py: --device cuda: no CUDA device is visible here; pass --device cpu (or auto)"),
-        (["--backend", "nccl"], "train.py: --backend nccl needs CUDA tensors: pass --backend gloo (or auto) for "
-                                "--device cpu"),
+        (
+            ["--backend", "nccl"],
+            "train.py: --backend nccl needs CUDA tensors: pass --backend gloo (or auto) for --device cpu",
+        ),
     ],
 )
 def test_a_device_or_backend_this_machine_lacks_is_one_line_before_any_process_group(flags, message) -> None:

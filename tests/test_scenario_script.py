@@ -25,13 +25,23 @@ def test_scenario_returns_soon_after_the_job_fails_at_import(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fake.parent), env.get("PYTHONPATH")]))
     work = tmp_path / "work"
     start = time.monotonic()
-    result = subprocess.run([sys.executable, str(REPO / "examples" / "scenario.py"), "grow", "--workdir", str(work)],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "scenario.py"), "grow", "--workdir", str(work)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     ended, took = time.time(), time.monotonic() - start
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-4000:]
-    failed = [json.loads(line) for path in (work / "logs").glob("*/membership.jsonl")
-              for line in path.read_text().splitlines() if '"job_failed"' in line]  # fmt: skip
+    failed = [
+        json.loads(line)
+        for path in (work / "logs").glob("*/membership.jsonl")
+        for line in path.read_text().splitlines()
+        if '"job_failed"' in line
+    ]
     assert failed, output[-4000:]
     # it used to wait 600 s for a world of 8 that would never train
     assert ended - min(e["time"] for e in failed) < 20, output[-4000:]

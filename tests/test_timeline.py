@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from launcher_harness import elastic_run_command
 
 from launcher.membership_log import MembershipEvent
 from launcher.timeline import Mark, marks, round_spans, world_size_steps
-from launcher_harness import elastic_run_command
 
 pytestmark = pytest.mark.timeout(60)
 AT = 1_700_000_000.0
@@ -21,22 +21,33 @@ def member(node: str, rank: int) -> dict:
 
 def a_job() -> list[MembershipEvent]:
     events = [
-        ("node_joined", 0.0, dict(node="a")), ("node_joined", 0.1, dict(node="b")), ("node_joined", 0.2, dict(node="c")),
-        ("round_started", 1.0, dict(round=0, world_size=6, reason="initial",
-                                    members=[member("a", 0), member("b", 1), member("c", 2)])),
+        ("node_joined", 0.0, dict(node="a")),
+        ("node_joined", 0.1, dict(node="b")),
+        ("node_joined", 0.2, dict(node="c")),
+        (
+            "round_started",
+            1.0,
+            dict(round=0, world_size=6, reason="initial", members=[member("a", 0), member("b", 1), member("c", 2)]),
+        ),
         ("worker_failed", 9.0, dict(round=0, node="b", rank=3, exit_code=1)),
         ("node_lost", 9.4, dict(round=0, node="c", reason="liveness probe refused: the agent is gone")),
-        ("round_started", 9.5, dict(round=1, world_size=4, reason="node_lost", members=[member("a", 0), member("b", 1)])),
+        (
+            "round_started",
+            9.5,
+            dict(round=1, world_size=4, reason="node_lost", members=[member("a", 0), member("b", 1)]),
+        ),
         ("drain_committed", 15.0, dict(round=1, step=40)),
         ("job_finished", 20.0, dict(round=1, world_size=4)),
-    ]  # fmt: skip
+    ]
     return [MembershipEvent(event=name, time=AT + offset, **fields) for name, offset, fields in events]
 
 
 def test_rounds_span_from_their_start_to_the_next_or_the_end():
     spans = round_spans(a_job())
     assert [(s.round, s.end - s.start, s.world_size, s.reason) for s in spans] == [
-        (0, pytest.approx(8.5), 6, "initial"), (1, pytest.approx(10.5), 4, "node_lost")]
+        (0, pytest.approx(8.5), 6, "initial"),
+        (1, pytest.approx(10.5), 4, "node_lost"),
+    ]
 
 
 def test_world_size_is_a_step_function_of_the_rounds():
@@ -60,8 +71,12 @@ def test_log_plot_writes_the_picture_from_a_membership_file(tmp_path, suffix, ma
     log = tmp_path / "membership.jsonl"
     log.write_text("".join(e.dumps() + "\n" for e in a_job()))
     out = tmp_path / f"timeline{suffix}"
-    result = subprocess.run([*elastic_run_command(), "log", "--file", str(log), "--plot", str(out)],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [*elastic_run_command(), "log", "--file", str(log), "--plot", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"wrote {out}: 9 events, 2 rounds, 3 nodes"
     assert out.read_bytes().startswith(magic) and out.stat().st_size > 5000
@@ -71,8 +86,13 @@ def test_without_matplotlib_the_plot_names_the_extra(tmp_path):
     log = tmp_path / "membership.jsonl"
     log.write_text("".join(e.dumps() + "\n" for e in a_job()))
     hide = "import sys; sys.modules['matplotlib'] = None; from launcher.cli import main; sys.exit(main())"
-    result = subprocess.run([sys.executable, "-c", hide, "log", "--file", str(log), "--plot", str(tmp_path / "t.png")],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", hide, "log", "--file", str(log), "--plot", str(tmp_path / "t.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1
-    assert result.stderr.strip() == ("elastic-run log: error: --plot needs matplotlib: pip install -e '.[plot]' (or "
-                                     "pip install matplotlib)")
+    assert result.stderr.strip() == (
+        "elastic-run log: error: --plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
+    )

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from launcher_harness import PROBE
 from torch.distributed.run import get_args_parser
 
 from launcher.cli import UNSUPPORTED_FLAGS, ConfigError, build_parser, config_from_args
-from launcher_harness import PROBE
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -78,8 +78,10 @@ def test_duplicate_filters_take_torchruns_list_syntax_and_the_event_log_handler_
 @pytest.mark.timeout(90)
 def test_lines_matching_the_duplicate_filters_are_copied_into_the_attempts_filtered_log(cluster, tmp_path):
     script = tmp_path / "talk.py"
-    script.write_text("import os\nrank = os.environ['RANK']\nprint(f'loss 1.5 on {rank}')\nprint(f'noise on {rank}')\n"
-                      "print(f'step, loss 1.2 on {rank}')\n")  # fmt: skip
+    script.write_text(
+        "import os\nrank = os.environ['RANK']\nprint(f'loss 1.5 on {rank}')\nprint(f'noise on {rank}')\n"
+        "print(f'step, loss 1.2 on {rank}')\n"
+    )
     agent = cluster.start("n", [], script=script, extra=["--duplicate-stdout-filters", "loss,,lr,loss 1."])
     assert agent.wait(timeout=60) == 0, cluster.dump()
     filtered = (agent.log_dir / "n" / "attempt_0" / "filtered_stdout.log").read_text().splitlines()

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.timeout(60)
 
 SCRIPT = """\
 import json, os, sys
+ours = sorted(m for m in sys.modules if m.startswith("launcher"))
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "file": __file__, "name": __name__,
-                  "torch": "torch" in sys.modules, "launcher": sorted(m for m in sys.modules if m.startswith("launcher")),
-                  "mode": os.environ["MODE"]}))
+                  "torch": "torch" in sys.modules, "launcher": ours, "mode": os.environ["MODE"]}))
 print("to stderr", file=sys.stderr)
 if os.environ["MODE"] == "raise":
     raise ValueError("bad batch")
@@ -57,8 +57,15 @@ def test_the_script_runs_as_python_would_run_it(pool, tmp_path):
     seen = json.loads(out)
     script = tmp_path / "job" / "train.py"
     assert code == 0 and err == "to stderr\n"
-    assert seen == {"argv": [str(script), "--lr", "0.1"], "path0": str(script.parent), "file": str(script),
-                    "name": "__main__", "torch": True, "launcher": [], "mode": "0"}  # fmt: skip
+    assert seen == {
+        "argv": [str(script), "--lr", "0.1"],
+        "path0": str(script.parent),
+        "file": str(script),
+        "name": "__main__",
+        "torch": True,
+        "launcher": [],
+        "mode": "0",
+    }
 
 
 def test_exit_code_and_uncaught_exception_are_the_scripts(pool, tmp_path):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launcher_harness import PROBE, REPO
 
 from elastic import watchdog as channel
 from launcher import etcd_client
@@ -31,7 +32,6 @@ from launcher.watchdog import (
     parse_timeout,
 )
 from launcher.workers import WorkerGroup, WorkerOutcome, worker_env
-from launcher_harness import PROBE, REPO
 
 PATTERN = REPO / "tests" / "workers" / "heartbeat_pattern.py"
 AUTO = Policy(timeout=None, minimum=60.0, long_op=1800.0)
@@ -71,8 +71,9 @@ def test_long_operations_get_their_own_allowance_never_less_than_the_normal_one(
 
 
 def snapshot(seq: int, beats: int, intervals=(), step=None, long_op=None) -> channel.Snapshot:
-    return channel.Snapshot(pid=1, dump_signal=0, seq=seq, beats=beats, last_step=step, intervals=tuple(intervals),
-                            long_op=long_op)  # fmt: skip
+    return channel.Snapshot(
+        pid=1, dump_signal=0, seq=seq, beats=beats, last_step=step, intervals=tuple(intervals), long_op=long_op
+    )
 
 
 @pytest.mark.timeout(10)
@@ -323,8 +324,15 @@ def one_member_round(member: Member):
 def test_workers_get_their_channel_even_with_the_watchdog_off(tmp_path):
     member = Member("n", 1, 0, 1, 0, "127.0.0.1")
     args = (one_member_round(member), member, MasterRecord(addr="127.0.0.1", port=1))
-    on = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, rdzv_endpoint="127.0.0.1:2379", rdzv_id="t",
-                      entrypoint=str(PATTERN), log_dir=tmp_path)  # fmt: skip
+    on = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        rdzv_endpoint="127.0.0.1:2379",
+        rdzv_id="t",
+        entrypoint=str(PATTERN),
+        log_dir=tmp_path,
+    )
     env = worker_env(on, *args, local_rank=0, error_file=tmp_path / "0" / "error.json")
     assert env[channel.HEARTBEAT_ENV] == str(tmp_path / "0" / "heartbeat")
     off = on.model_copy(update={"watchdog_timeout": "off"})  # the channel still carries drains
@@ -336,8 +344,18 @@ def test_report_of_a_hung_worker_logs_worker_hung_with_its_details(etcd):
     client = etcd_client.connect(etcd.endpoint)
     try:
         store = JobStore(client, "job")
-        hung = WorkerFailure(node="a", round=0, local_rank=1, rank=3, exit_code=-9, time=1.0, hung=True,
-                             seconds_silent=3.25, last_step=41, message="hung: no heartbeat for 3.2s")  # fmt: skip
+        hung = WorkerFailure(
+            node="a",
+            round=0,
+            local_rank=1,
+            rank=3,
+            exit_code=-9,
+            time=1.0,
+            hung=True,
+            seconds_silent=3.25,
+            last_step=41,
+            message="hung: no heartbeat for 3.2s",
+        )
         other = WorkerFailure(node="a", round=0, local_rank=0, rank=2, exit_code=1, time=2.0)
         assert store.report_failed(0, NodeFailure(node="a", round=0, failures=[hung, other]))
         events = read_events(client, store.keys.events)
@@ -353,9 +371,20 @@ def test_report_of_a_hung_worker_logs_worker_hung_with_its_details(etcd):
 
 # -- a WorkerGroup with real worker processes (no etcd, no torch) ---------------------------------------------------
 def run_group(tmp_path: Path, script_args: list[str], timeout: float = 1.0, deadline_s: float = 30.0):
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, rdzv_endpoint="127.0.0.1:2379", rdzv_id="t",
-                          entrypoint=str(PATTERN), args=script_args, log_dir=tmp_path, redirects=Std.ALL,
-                          watchdog_timeout=timeout, worker_stop_timeout=1, node_id="n")  # fmt: skip
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        rdzv_endpoint="127.0.0.1:2379",
+        rdzv_id="t",
+        entrypoint=str(PATTERN),
+        args=script_args,
+        log_dir=tmp_path,
+        redirects=Std.ALL,
+        watchdog_timeout=timeout,
+        worker_stop_timeout=1,
+        node_id="n",
+    )
     member = Member("n", 1, 0, 1, 0, "127.0.0.1")
     group = WorkerGroup(config, one_member_round(member), member, MasterRecord(addr="127.0.0.1", port=1))
     group.start()
@@ -430,11 +459,14 @@ def test_a_hung_worker_is_dumped_killed_logged_and_the_job_trains_again(cluster)
 
     stopped_at = time.time()
     os.kill(victim, signal.SIGSTOP)  # hung, while its agent stays healthy: its peer blocks in all_reduce
-    hung = cluster.wait_for(lambda: [e for e in cluster.events("worker_hung") if e["node"] == "a"], 30,
-                            "worker_hung for the stopped worker")  # fmt: skip
+    hung = cluster.wait_for(
+        lambda: [e for e in cluster.events("worker_hung") if e["node"] == "a"], 30, "worker_hung for the stopped worker"
+    )
     again = cluster.wait_for_world(2, timeout=60, after=hung[0]["time"])
-    print(f"\nSIGSTOP -> worker_hung logged {hung[0]['time'] - stopped_at:.1f}s, "
-          f"-> first collective of round {again['round']} {again['time'] - stopped_at:.1f}s")
+    print(
+        f"\nSIGSTOP -> worker_hung logged {hung[0]['time'] - stopped_at:.1f}s, "
+        f"-> first collective of round {again['round']} {again['time'] - stopped_at:.1f}s"
+    )
     for agent in agents:
         assert agent.wait(timeout=90) == 0, cluster.dump()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ FENCED = "fenced"  # committed by a save whose round was no longer current
 
 def set_aside(folder: Path, reason: str) -> Path:
     """Rename ``folder`` to ``<name>.<reason>-<UTC time>`` next to it and return the new path; nothing is deleted."""
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     target = folder.with_name(f"{folder.name}.{reason}-{stamp}")
     if target.exists():  # set aside twice within a second
         target = target.with_name(f"{target.name}-{uuid.uuid4().hex[:6]}")

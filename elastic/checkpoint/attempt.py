@@ -17,7 +17,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -89,7 +89,7 @@ def commit_attempt(attempt: Attempt, world_size: int, metadata_sha256: str | Non
     record = CommitRecord(
         step=attempt.step,
         world_size=world_size,
-        time=datetime.now(timezone.utc),
+        time=datetime.now(UTC),
         torch_version=torch.__version__,
         elastic_version=elastic.__version__,
         round=attempt.round,

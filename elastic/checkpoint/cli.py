@@ -92,8 +92,10 @@ def _inspect(args: argparse.Namespace) -> None:
     folder = _committed(args.directory, args.step)
     record = read_commit_record(folder)
     made_by = f", round {record.round}, attempt {record.attempt}" if record.attempt else ""
-    print(f"{folder}: step {record.step}, saved by {record.world_size} ranks at {record.time.isoformat()}, "
-          f"torch {record.torch_version}, elastic {record.elastic_version}{made_by}")
+    print(
+        f"{folder}: step {record.step}, saved by {record.world_size} ranks at {record.time.isoformat()}, "
+        f"torch {record.torch_version}, elastic {record.elastic_version}{made_by}"
+    )
     for key, item in sorted(read_metadata(folder).state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
             shape = "x".join(map(str, item.size)) or "scalar"

@@ -18,7 +18,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -97,10 +97,12 @@ def claim(directory: str | os.PathLike, round_: int, run_id: str | None, admitte
             epoch=current.epoch + 1 if current else 1,
             round=round_,
             run_id=run_id,
-            time=datetime.now(timezone.utc),
+            time=datetime.now(UTC),
             admitted=frozenset(admitted()),
         )
-        if create_exclusively(fence_dir(directory) / f"epoch-{fence.epoch}.json", fence.model_dump_json(indent=2).encode()):
+        if create_exclusively(
+            fence_dir(directory) / f"epoch-{fence.epoch}.json", fence.model_dump_json(indent=2).encode()
+        ):
             break
         logger.info("another save claimed epoch %d of %s at the same time; claiming the next", fence.epoch, directory)
     if current is not None:

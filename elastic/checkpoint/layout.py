@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import NamedTuple
 
@@ -128,7 +128,7 @@ def write_commit_record(step_dir: str | os.PathLike, step: int, world_size: int)
     record = CommitRecord(
         step=step,
         world_size=world_size,
-        time=datetime.now(timezone.utc),
+        time=datetime.now(UTC),
         torch_version=torch.__version__,
         elastic_version=elastic.__version__,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -50,14 +51,18 @@ def load_newest(ranks: Ranks, directory: Path, state: dict[str, Any]) -> Loaded:
     listed = {entry.key for entry in committed}
     damaged: list[tuple[CheckpointEntry, str]] = []
     for entry in reversed(committed):
-        problems = ranks.problems(lambda: verify_readable(entry.path, entry.record.metadata_sha256))
+        problems = ranks.problems(functools.partial(verify_readable, entry.path, entry.record.metadata_sha256))
         failed = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
         if failed and len(failed) < len(problems):
             if ranks.rank == 0:
                 rank, problem = failed[0]
                 logger.warning(
                     "skipping checkpoint %s: %d of %d ranks cannot read it (rank %d: %s)",
-                    entry.path, len(failed), len(problems), rank, problem,
+                    entry.path,
+                    len(failed),
+                    len(problems),
+                    rank,
+                    problem,
                 )
             continue
         damage = failed[0][1] if failed else _try_load(ranks, entry, state)
@@ -109,7 +114,11 @@ def _load(ranks: Ranks, entry: CheckpointEntry, state: dict[str, Any]) -> None:
         if ranks.rank == 0:
             logger.warning(
                 "%s holds %s for state entry %r, not its keys; regenerated %r from global step %d",
-                entry.path, summarize_keys(foreign_keys) or "nothing", name, name, entry.step,
+                entry.path,
+                summarize_keys(foreign_keys) or "nothing",
+                name,
+                name,
+                entry.step,
             )
 
 
@@ -124,5 +133,8 @@ def _set_aside_damaged(ranks: Ranks, damaged: list[tuple[CheckpointEntry, str]])
             continue
         logger.warning(
             "set aside unreadable checkpoint %s as %s (%s); step %d can be saved again",
-            entry.path, moved, damage, entry.step,
+            entry.path,
+            moved,
+            damage,
+            entry.step,
         )

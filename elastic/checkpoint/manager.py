@@ -1,4 +1,5 @@
-"""CheckpointManager: save, commit, retain and load ``step-<N>`` checkpoints with DCP, synchronously or in the background."""
+"""CheckpointManager: save, commit, retain and load ``step-<N>`` checkpoints with DCP, in the foreground or in the
+background."""
 
 from __future__ import annotations
 
@@ -90,8 +91,9 @@ class CheckpointManager:
         # One stager for the manager's life: it reuses its CPU copies, so staging after the first save is a memcpy.
         # With CUDA, the copies are pinned and filled by non-blocking copies (synchronised before the write).
         on_gpu = torch.cuda.is_available()
-        options = StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
-                                 use_non_blocking_copy=on_gpu)  # fmt: skip
+        options = StagingOptions(
+            use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_gpu
+        )
         self._stager = DefaultStager(options) if async_save else None
         self._in_flight: _SaveInFlight | None = None
         self._closed = False
@@ -119,7 +121,10 @@ class CheckpointManager:
             return None
         logger.info(
             "loaded %s (saved by %d ranks, now %d) in %.2fs",
-            entry.path, entry.record.world_size, self._ranks.world_size, time.monotonic() - started,
+            entry.path,
+            entry.record.world_size,
+            self._ranks.world_size,
+            time.monotonic() - started,
         )
         self._verified.add(entry.key)
         return entry.step
@@ -194,10 +199,14 @@ class CheckpointManager:
         state_dict = state_dicts(state)
         reject_per_rank_values(state_dict, self._ranks)
         if self._fence is None:
-            self._fence = self._ranks.agree(self._claim, f"claiming {self.directory} for this round's saves", only_rank0=True)
+            self._fence = self._ranks.agree(
+                self._claim, f"claiming {self.directory} for this round's saves", only_rank0=True
+            )
         fence = self._fence
         attempt = self._ranks.agree(
-            lambda: prepare_attempt(self.directory, step, fence), f"preparing step {step} in {self.directory}", only_rank0=True
+            lambda: prepare_attempt(self.directory, step, fence),
+            f"preparing step {step} in {self.directory}",
+            only_rank0=True,
         )
         if attempt is None:
             logger.warning("%s is already committed; not saving step %d again", step_dir(self.directory, step), step)
@@ -207,7 +216,11 @@ class CheckpointManager:
         if not in_background:
             try:
                 dcp.save(
-                    state_dict, storage_writer=writer, planner=planner, process_group=self._ranks.group, no_dist=self._single
+                    state_dict,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=self._ranks.group,
+                    no_dist=self._single,
                 )
             except (Exception, CheckpointException):  # DCP raises it on every rank, once every rank stopped writing
                 self._discard(attempt)
@@ -237,7 +250,9 @@ class CheckpointManager:
         else:
             committed.set_result(None)
         self._in_flight = _SaveInFlight(attempt, upload, committed, started)
-        logger.info("staged step %d in %.2fs; writing %s in the background", step, time.monotonic() - started, attempt.folder)
+        logger.info(
+            "staged step %d in %.2fs; writing %s in the background", step, time.monotonic() - started, attempt.folder
+        )
 
     def _claim(self) -> Fence:
         """Claim the directory (rank 0); the commits it keeps counting are those load_latest listed, if it ran."""
@@ -264,7 +279,9 @@ class CheckpointManager:
         except OSError as error:
             logger.warning("could not delete %s, the folder of a failed save: %s", attempt.folder, error)
 
-    def _commit_after_upload(self, upload: Future, attempt: Attempt, writer: CheckpointWriter, committed: Future) -> None:
+    def _commit_after_upload(
+        self, upload: Future, attempt: Attempt, writer: CheckpointWriter, committed: Future
+    ) -> None:
         # Runs on rank 0's writer thread as soon as every rank's data and DCP's metadata are on disk,
         # so the checkpoint is committed even if training never calls wait() again.
         try:
@@ -299,5 +316,7 @@ class CheckpointManager:
             ) from None
         logger.info(
             "step-0 checkpoint check of %s passed in %.2fs (%d ranks wrote and read it back)",
-            self.directory, time.monotonic() - started, self._ranks.world_size,
+            self.directory,
+            time.monotonic() - started,
+            self._ranks.world_size,
         )

@@ -33,9 +33,7 @@ class ModelState(Stateful):
         options: StateDictOptions | None = None,
     ) -> None:
         self.model = model
-        self.optimizers = (
-            (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
-        )
+        self.optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
         self.options = options
 
     def state_dict(self) -> dict[str, Any]:

@@ -32,9 +32,7 @@ class CheckpointReader(FileSystemReader):
             return self._read_data(plan, planner)
         except Exception as error:  # torch.load and unpickling of damaged bytes raise anything
             first_line = (str(error).strip().splitlines() or [""])[0]
-            raise UnreadableDataError(
-                f"{self.path} cannot be read: {type(error).__name__}: {first_line}"
-            ) from error
+            raise UnreadableDataError(f"{self.path} cannot be read: {type(error).__name__}: {first_line}") from error
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_file: dict[str, list[ReadItem]] = {}
@@ -64,7 +62,9 @@ class CheckpointReader(FileSystemReader):
         # map_location="meta" reads the pickled header only: shape, strides, dtype, no data.
         saved = torch.load(_create_file_view(stream, info.offset, info.length), map_location="meta", weights_only=True)
         offsets, lengths = list(request.storage_offsets), list(request.lengths)
-        whole_rows = all(offset == 0 and length == size for offset, length, size in zip(offsets[1:], lengths[1:], saved.shape[1:]))
+        whole_rows = all(
+            offset == 0 and length == size for offset, length, size in zip(offsets[1:], lengths[1:], saved.shape[1:])
+        )
         if not saved.is_contiguous() or not whole_rows:
             return False
         first_element = saved.storage_offset() + (offsets[0] * saved.stride(0) if offsets else 0)
@@ -75,7 +75,9 @@ class CheckpointReader(FileSystemReader):
             raise OSError(f"{stream.name} ended before the {wanted} bytes of {request.storage_index.fqn}")
         target = planner.resolve_tensor(request).detach()
         if target.size() != rows.size():
-            raise ValueError(f"{request.storage_index.fqn}: saved slice {tuple(rows.size())} != target {tuple(target.size())}")
+            raise ValueError(
+                f"{request.storage_index.fqn}: saved slice {tuple(rows.size())} != target {tuple(target.size())}"
+            )
         target.copy_(rows)
         planner.commit_tensor(request, target)
         return True

@@ -48,7 +48,9 @@ def prune(directory: str | os.PathLike, keep: int, verified: set[str] | None = N
             logger.warning("no committed checkpoint in %s is readable; deleting nothing", directory)
         return []
     for entry, problem in unreadable:
-        logger.warning("set aside unreadable checkpoint %s as %s: %s", entry.path, set_aside(entry.path, UNREADABLE), problem)
+        logger.warning(
+            "set aside unreadable checkpoint %s as %s: %s", entry.path, set_aside(entry.path, UNREADABLE), problem
+        )
     newest = kept[0].step
     doomed += [entry for entry in entries if entry.record is None and entry.step < newest]
     deleted = [entry.path for entry in doomed]

@@ -28,8 +28,15 @@ def main() -> None:
     log = open(args.log, "a")
 
     def write(**fields) -> None:
-        entry = dict(time=time.time(), rank=rank, world_size=world_size, round=round_, pid=os.getpid(),
-                     node=os.environ.get("ELASTIC_TEST_NODE", ""), **fields)  # fmt: skip
+        entry = dict(
+            time=time.time(),
+            rank=rank,
+            world_size=world_size,
+            round=round_,
+            pid=os.getpid(),
+            node=os.environ.get("ELASTIC_TEST_NODE", ""),
+            **fields,
+        )
         log.write(json.dumps(entry) + "\n")
         log.flush()
 
