@@ -48,7 +48,7 @@ class Sample:
         return sum(self.unary.values()) + sum(self.stream_handled.values()) + sum(self.stream_msgs.values())
 
     def by_method(self) -> dict[str, float]:
-        methods = {}
+        methods: dict[str, float] = {}
         for source in (self.unary, self.stream_msgs):
             for method, value in source.items():
                 methods[method] = methods.get(method, 0.0) + value

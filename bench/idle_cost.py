@@ -61,7 +61,7 @@ def describe(source: Path) -> str:
 def measure(source: Path, args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="idle-cost-"))
     ready = workdir / "ready"
-    result = {"source": str(source), "commit": describe(source)}
+    result: dict[str, object] = {"source": str(source), "commit": describe(source)}
     etcd = None
     agents: list[subprocess.Popen] = []
     try:

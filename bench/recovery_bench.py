@@ -216,6 +216,7 @@ class Job:
         for node in range(NODES):
             if self.launcher.startswith("elastic-run"):
                 warm = self.launcher == "elastic-run"
+                assert self.etcd is not None  # started above for every elastic-run launcher
                 command = elastic_run_command(node, self.etcd.endpoint, rdzv_id, self.log_dir(node), probe_args, warm)
             else:
                 conf = TORCHRUN_TUNED_CONF if self.launcher == "torchrun" else TORCHRUN_DEFAULT_CONF

@@ -80,11 +80,6 @@ class AgentKilled(Exception):
     """Raised inside a killed agent's loop: its thread ends without the leave path."""
 
 
-class _NoLog:
-    def sync(self, client, prefix) -> None:  # a dead agent does not mirror the membership log
-        pass
-
-
 class HostState:
     """What the agents of one host did and when; reports a (kind, round) once every live agent has done it."""
 
@@ -185,9 +180,11 @@ def host_main(index: int, spec: dict, conn, events) -> None:
                 out.write(f"\n--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame_))}")
 
     signal.signal(signal.SIGUSR1, dump_stacks)
+    from launcher import agent as agent_module
     from launcher import etcd_client
     from launcher.agent import Agent
     from launcher.config import LaunchConfig, RendezvousSettings
+    from launcher.records import NodeRecord
     from launcher.workers import WorkerOutcome
 
     host = HostState(index, events)
@@ -195,7 +192,7 @@ def host_main(index: int, spec: dict, conn, events) -> None:
     class NoopWorkerGroup:
         """The WorkerGroup interface without processes: RUNNING until the bench ends."""
 
-        def __init__(self, config, round_, member, master) -> None:
+        def __init__(self, config, round_, member, master, startups=None, warm=None) -> None:
             self.round, self.member, self.master = round_, member, master
             host.note("workers", round_.round, time.time())
 
@@ -208,16 +205,20 @@ def host_main(index: int, spec: dict, conn, events) -> None:
         def stop(self, signum: int = signal.SIGTERM) -> None:
             pass
 
+    # The agent builds launcher.agent's WorkerGroup for every round it takes part in; every agent of this host
+    # process is a BenchAgent, so the no-op group stands in for it process-wide.
+    agent_module.WorkerGroup = NoopWorkerGroup  # type: ignore[misc, assignment]  # a stand-in, not a subclass
+
     class BenchAgent(Agent):
         """The real agent, plus timestamps at registration, round entry and acknowledgement, and a way to die."""
 
         def __init__(self, config, client) -> None:
-            super().__init__(config, client, worker_group=NoopWorkerGroup)
+            super().__init__(config, client)
             self.killed = False
             self.registrations = 0
             register, acknowledge = self.store.register, self.store.acknowledge
 
-            def timed_register(record) -> None:
+            def timed_register(record: NodeRecord) -> None:
                 register(record)
                 self.registrations += 1
                 if self.registrations > 1:
@@ -225,16 +226,19 @@ def host_main(index: int, spec: dict, conn, events) -> None:
                     return
                 host.note("registered", None, time.time())
 
-            def timed_acknowledge(round_, revision, node, pid) -> bool:
-                committed = acknowledge(round_, revision, node, pid)
+            def timed_acknowledge(round_: int, round_revision: int, node: str, pid: int) -> bool:
+                committed = acknowledge(round_, round_revision, node, pid)
                 if committed:
                     host.note("acked", round_, time.time())
                 return committed
 
-            self.store.register, self.store.acknowledge = timed_register, timed_acknowledge
+            # wraps the methods of this agent's own store object, so every caller in the agent goes through them
+            self.store.register = timed_register  # type: ignore[method-assign]  # same signature, wrapped
+            self.store.acknowledge = timed_acknowledge  # type: ignore[method-assign]  # same signature, wrapped
 
         def _enter_round(self, record, revision) -> None:
             super()._enter_round(record, revision)
+            assert self.run_ is not None  # set by the round just entered
             if self.run_.member is not None:
                 host.note("entered", record.round, time.time())
 
@@ -243,11 +247,14 @@ def host_main(index: int, spec: dict, conn, events) -> None:
                 raise AgentKilled(self.node_id)
             super()._step(view)
 
+        def _sync_log(self) -> None:
+            if not self.killed:  # a dead agent does not mirror the membership log
+                super()._sync_log()
+
         def die(self) -> float:
             """Stop refreshing the lease and end the loop without leaving; returns the time of death."""
             when = time.time()
             self.keeper.stop()
-            self.log = _NoLog()
             self.killed = True
             self.mirror.poke()
             return when
@@ -365,6 +372,7 @@ class Hosts:
         self.context = multiprocessing.get_context("spawn")
         self.events = self.context.Queue()
         self.processes, self.conns = [], []
+        self.pids: list[int] = []  # of self.processes, in the same order
         self.reports: dict[tuple[str, int | None], dict[int, tuple[int, float]]] = collections.defaultdict(dict)
         self.anomalies: list[str] = []
         self.host_of: dict[str, int] = {}
@@ -378,7 +386,9 @@ class Hosts:
                 target=host_main, args=(index, host_spec, child, self.events), name=f"host{index}", daemon=True
             )
             process.start()
+            assert process.pid is not None  # a started process has one
             self.processes.append(process)
+            self.pids.append(process.pid)
             self.conns.append(parent)
             for node in nodes:
                 self.host_of[node] = index
@@ -496,7 +506,7 @@ class KeyWatch:
 def cpu_snapshot(hosts: Hosts, etcd_pid: int) -> dict[str, float]:
     return {
         "etcd": etcd_metrics.process_cpu_seconds(etcd_pid),
-        "hosts": sum(etcd_metrics.process_cpu_seconds(p.pid) for p in hosts.processes),
+        "hosts": sum(etcd_metrics.process_cpu_seconds(pid) for pid in hosts.pids),
     }
 
 
@@ -561,17 +571,18 @@ class Profiler:
 
 
 def summarize_profile(path: str, top: int = 12) -> dict:
-    inclusive, leaf = collections.Counter(), collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    leaf: collections.Counter[str] = collections.Counter()
     total = 0
     try:
         lines = open(path).read().splitlines()
     except OSError:
         return {"error": f"no profile at {path}"}
     for line in lines:
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
+        stack, _, count_text = line.rpartition(" ")
+        if not count_text.isdigit():
             continue
-        count = int(count)
+        count = int(count_text)
         total += count
         frames = [f for f in stack.split(";") if "(" in f and not f.startswith(("process ", "thread "))]
         names = []
@@ -601,6 +612,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
     phase_started = time.monotonic()
     try:
         etcd = EtcdServer(data_dir=os.path.join(args.etcd_dir or workdir, f"etcd-{n}")).start()
+        assert etcd.process is not None  # start() launched it
+        etcd_pid = etcd.process.pid
         client = etcd_client.connect(etcd.endpoint)
         slices = plan_hosts(n, args.agents_per_process)
         holdback = slices[-1][-1]
@@ -634,18 +647,18 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         hosts.drain()
 
         # -- round 0 -----------------------------------------------------------------------------------------
-        m0, c0 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
+        m0, c0 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
         profiler = None
         if args.sample:
             holder_raw, _ = client.get(keys.controller)
             controller_host = hosts.host_of[holder_raw.decode().split("#")[0]]
-            profiled = {f"host{i}": hosts.processes[i].pid for i in sorted({controller_host, len(slices) - 1})}
+            profiled = {f"host{i}": hosts.pids[i] for i in sorted({controller_host, len(slices) - 1})}
             profiler = Profiler(profiled, workdir, "form")
-            m0, c0 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
+            m0, c0 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
         hosts.ask(hosts.host_of[holdback], "start", holdback)
         last_registration = hosts.wait_for("registered", None, n, 60, "last agent registered")
         known = hosts.wait_for("entered", 0, n, args.phase_deadline, "agents know their rank in round 0")
-        m1, c1 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
+        m1, c1 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
         to_known = etcd_metrics.delta(m0, m1)
         result.update(
             form_s=round(known - last_registration, 3),
@@ -660,7 +673,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         )
         workers = hosts.wait_for("workers", 0, n, args.phase_deadline, "agents started round 0 workers")
         acked = hosts.wait_for("acked", 0, n, args.phase_deadline, "agents acknowledged round 0")
-        m2, c2 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
+        m2, c2 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
         form = etcd_metrics.delta(m0, m2)
         result.update(
             form_s=round(known - last_registration, 3),
@@ -686,9 +699,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         stats = hosts.ask_all("stats")
         result["threads_per_process"] = max(s["os_threads"] for s in stats)
         result["rss_mib_per_process"] = round(max(s["rss_mib"] for s in stats))
-        m3, c3 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
+        m3, c3 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
         time.sleep(args.idle_seconds)
-        m4, c4 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
+        m4, c4 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
         idle = etcd_metrics.delta(m3, m4)
         result.update(
             idle_requests_per_agent_s=round(idle.requests / n / idle.seconds, 3),
@@ -717,16 +730,14 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         hosts.drain()
         profiler = None
         if args.sample:
-            profiled = {
-                f"host{i}": hosts.processes[i].pid for i in sorted({hosts.host_of[controller], len(slices) - 1})
-            }
+            profiled = {f"host{i}": hosts.pids[i] for i in sorted({hosts.host_of[controller], len(slices) - 1})}
             profiler = Profiler(profiled, workdir, "reform")
-        m5, c5 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
+        m5, c5 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
         death = hosts.ask(hosts.host_of[victim], "kill", victim)
         known1 = hosts.wait_for("entered", 1, n - 1, ttl + args.phase_deadline, "survivors know round 1")
         m6 = etcd_metrics.scrape(etcd.endpoint)
         acked1 = hosts.wait_for("acked", 1, n - 1, args.phase_deadline, "survivors acknowledged round 1")
-        m7, c7 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd.process.pid)
+        m7, c7 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
         reform = etcd_metrics.delta(m5, m7)
         expired, written = watch.deleted_at, watch.rounds.get(1)
         result.update(
@@ -773,9 +784,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             except Exception as diag:  # noqa: BLE001
                 logger.error("  could not read etcd: %s", diag)
         if hosts is not None:
-            for process in hosts.processes:
+            for process, pid in zip(hosts.processes, hosts.pids):
                 if process.is_alive():
-                    os.kill(process.pid, signal.SIGUSR1)
+                    os.kill(pid, signal.SIGUSR1)
             time.sleep(2)
             logger.error("  stacks of every host thread: %s/host<i>/stacks.txt (kept with --keep-logs)", workdir)
     finally:
@@ -847,16 +858,17 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     targets = {1024: ("form_s", 3.0), 4096: ("form_s", 10.0)}
     print()
     for n, (key, limit) in targets.items():
-        r = next((r for r in results if r["agents"] == n), None)
-        if r is not None and r.get(key) is not None:
+        at_n = next((r for r in results if r["agents"] == n), None)
+        if at_n is not None and at_n.get(key) is not None:
             print(
-                f"target: {n} agents {key} <= {limit:g} s: {r[key]:.3f} s -> {'met' if r[key] <= limit else 'MISSED'}"
+                f"target: {n} agents {key} <= {limit:g} s: {at_n[key]:.3f} s -> "
+                f"{'met' if at_n[key] <= limit else 'MISSED'}"
             )
-    r = next((r for r in results if r["agents"] == 1024), None)
-    if r is not None and r.get("reform_s") is not None:
+    at_1024 = next((r for r in results if r["agents"] == 1024), None)
+    if at_1024 is not None and at_1024.get("reform_s") is not None:
         print(
-            f"target: 1024 agents know the new round <= TTL + 1 s: TTL + {r['reform_s']:.3f} s -> "
-            f"{'met' if r['reform_s'] <= 1.0 else 'MISSED'}"
+            f"target: 1024 agents know the new round <= TTL + 1 s: TTL + {at_1024['reform_s']:.3f} s -> "
+            f"{'met' if at_1024['reform_s'] <= 1.0 else 'MISSED'}"
         )
     idle = [r for r in results if r.get("idle_requests_per_agent_s") is not None]
     if idle:

@@ -23,7 +23,7 @@ try:
     from elastic import heartbeat
 except ImportError:  # run standalone, without the elastic library: nothing watches progress
 
-    def heartbeat(step=None) -> None:
+    def heartbeat(step: int | None = None) -> None:
         pass
 
 

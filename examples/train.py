@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
@@ -140,7 +141,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         raise SystemExit(2) from None
 
 
-def _flag_error(detail: dict) -> str:
+def _flag_error(detail: ErrorDetails) -> str:
     flag = "--" + str(detail["loc"][0]).replace("_", "-") if detail["loc"] else None
     message = detail["msg"].removeprefix("Value error, ")
     return f"{flag}: {message}" if flag else message
@@ -152,6 +153,7 @@ def _flag_type(annotation: object) -> type:
         return str
     if isinstance(annotation, types.UnionType):
         return next(member for member in typing.get_args(annotation) if member is not type(None))
+    assert isinstance(annotation, type)  # the other fields are plain classes (int, float, Path): their own converter
     return annotation
 
 
@@ -388,6 +390,7 @@ def main(config: TrainConfig) -> None:
             with long_operation("checkpoint save"):
                 manager.save(step, state)
         if config.stop_at == step:
+            assert manager is not None  # TrainConfig rejects --stop-at without --ckpt-dir
             with long_operation("checkpoint commit"):
                 manager.wait()
             logger.info("checkpoint of step %d committed; stopping (--stop-at)", step)

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from launcher import etcd_client
 from launcher.config import LaunchConfig
@@ -115,14 +116,15 @@ class Agent:
         host = etcd_client.parse_endpoints(config.rdzv_endpoint)[0][0]
         self.addr = config.local_addr or address_facing(host)
         self.startups = StartupHistory()  # how long our workers take to their first heartbeat, over rounds
+        assert config.log_dir is not None, "elastic-run picks the log dir before an agent starts"
         self.log = LogMirror.for_dir(config.log_dir)
-        self.record: NodeRecord | None = None  # our registration: its lease is our incarnation
-        self.lease = None
-        self.keeper: LeaseKeeper | None = None
+        self._record: NodeRecord | None = None  # our registration: its lease is our incarnation (set by _join)
+        self._lease: Any = None
+        self._keeper: LeaseKeeper | None = None
         self.run_: RoundRun | None = None
         self.signal_received: int | None = None
-        self.mirror: RangeMirror | None = None
-        self.liveness: LivenessServer | None = None  # answers the controller's probes while this agent lives
+        self.mirror = RangeMirror(self.client, self.store.keys.ctl)  # state/ctl/, started by run
+        self.liveness = LivenessServer(self.addr)  # answers the controller's probes while this agent lives
         # the next round's workers, pre-started with torch imported (None: every worker starts cold)
         self.warm = (
             WarmPool(
@@ -149,8 +151,8 @@ class Agent:
         status = self.store.read_status()
         if status is not None:
             return self._job_already_over(status)
-        self.mirror = RangeMirror(self.client, self.store.keys.ctl).start()
-        self.liveness = LivenessServer(self.addr).start()
+        self.mirror.start()
+        self.liveness.start()
         try:
             if self.warm is not None:
                 self.warm.fill()  # their imports overlap the rendezvous
@@ -161,8 +163,8 @@ class Agent:
             self._stop_workers()
             if self.warm is not None:
                 self.warm.close()
-            if self.keeper is not None:
-                self.keeper.stop()
+            if self._keeper is not None:
+                self._keeper.stop()
             self.liveness.stop()
             self.mirror.close()
             self._sync_log()
@@ -171,8 +173,23 @@ class Agent:
         """Ask the agent to leave the job as if it had received `signum` (what the signal handler does)."""
         if self.signal_received is None:
             self.signal_received = signum
-        if self.mirror is not None:
-            self.mirror.poke()
+        self.mirror.poke()
+
+    # -- this incarnation: set by _join, for everything after it ---------------------------------------------
+    @property
+    def record(self) -> NodeRecord:
+        assert self._record is not None, "_join registers before anything uses the registration"
+        return self._record
+
+    @property
+    def lease(self) -> Any:
+        assert self._lease is not None, "_join grants the lease before anything uses it"
+        return self._lease
+
+    @property
+    def keeper(self) -> LeaseKeeper:
+        assert self._keeper is not None, "_join starts the keeper before anything uses it"
+        return self._keeper
 
     def _on_signal(self, signum: int, frame) -> None:
         self.stop(signum)
@@ -200,8 +217,8 @@ class Agent:
                 if not etcd_client.is_lease_gone(exc):
                     raise
                 logger.warning("lease %x ended before registration (a stalled etcd); registering again", lease.id)
-        self.lease, self.record = lease, record
-        self.keeper = LeaseKeeper(lease, self.config.rdzv.keep_alive_interval, self.mirror.poke).start()
+        self._lease, self._record = lease, record
+        self._keeper = LeaseKeeper(lease, self.config.rdzv.keep_alive_interval, self.mirror.poke).start()
         logger.info("node %s (%s) joined job %s, lease %ds", self.node_id, self.addr, self.config.rdzv_id, lease.ttl)
         self._claim_controller()
 
@@ -378,6 +395,7 @@ class Agent:
 
     def _start_workers(self, run: RoundRun, master: MasterRecord | None) -> None:
         member = run.member
+        assert member is not None, "a spare's round waits in Phase.WAITING, never STARTING"
         if master is None:
             if member.group_rank != 0:
                 return  # rank 0's node publishes where its store will listen
@@ -391,6 +409,7 @@ class Agent:
         run.refill_warm_at = time.monotonic() + max(_WARM_REFILL_AFTER_S, 2 * (self.startups.longest or 0.0))
 
     def _poll_workers(self, run: RoundRun) -> None:
+        assert run.workers is not None, "Phase.RUNNING begins once the workers started"
         outcome, failures = run.workers.poll()
         if outcome is WorkerOutcome.RUNNING:
             return
@@ -443,8 +462,9 @@ class Agent:
             return
         if run.drain_answered == request.number:
             return
-        answer = DrainReport(number=request.number, step=None)  # no workers running: nothing to drain
-        if run.workers is not None and run.phase is Phase.RUNNING:
+        if run.workers is None or run.phase is not Phase.RUNNING:
+            answer = DrainReport(number=request.number, step=None)  # no workers running: nothing to drain
+        else:
             if run.drain_asked != request.number:
                 logger.info(
                     "round %d: drain before %s: asking the workers to checkpoint at their next step",
@@ -453,9 +473,10 @@ class Agent:
                 )
                 run.workers.request_drain(request.number)
                 run.drain_asked = request.number
-            answer = run.workers.drain_answer(request.number)
-            if answer is None:
+            pending = run.workers.drain_answer(request.number)
+            if pending is None:
                 return  # still saving
+            answer = pending
         if self.store.report_drained(run.record.round, run.revision, self.node_id, answer):
             run.drain_answered = request.number
             if answer.step is not None:

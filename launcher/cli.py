@@ -320,9 +320,10 @@ def run(config: LaunchConfig) -> int:
                 file=sys.stderr,
             )
             return 1
-        if config.log_dir is None:  # like torchrun: a fresh temp dir, created only once the job can start
-            config = config.model_copy(update={"log_dir": Path(tempfile.mkdtemp(prefix=f"elastic_{config.rdzv_id}_"))})
-        config.log_dir.mkdir(parents=True, exist_ok=True)
+        # like torchrun: a fresh temp dir unless one was given, created only once the job can start
+        log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix=f"elastic_{config.rdzv_id}_"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        config = config.model_copy(update={"log_dir": log_dir})
         logger.info(
             "job %s on etcd %s: nodes %d:%d, %d worker(s) here, logs in %s",
             config.rdzv_id,

@@ -192,13 +192,14 @@ class Controller:
             for node in decision.readmitted
         ]
         drain = decision.drain
+        drained_round = view.round.round if view.round is not None else None  # a drain belongs to a running round
         if drain is not None and drain.committed and drain.step is not None:
-            events.append(new_event("drain_committed", round=view.round.round, step=drain.step))
+            events.append(new_event("drain_committed", round=drained_round, step=drain.step))
         elif drain is not None and not drain.committed:
             events.append(
                 new_event(
                     "drain_timed_out",
-                    round=view.round.round,
+                    round=drained_round,
                     step=drain.step,
                     message=f"not every member drained within --drain-timeout "
                     f"{self.settings.drain_timeout:g}s; steps since the last checkpoint "
@@ -240,6 +241,7 @@ class Controller:
             self._trim_events()
 
     def _mark_lost(self, decision: MarkLost, view: JobView) -> None:
+        assert view.round is not None, "only a member of a round can be lost"
         number = view.round.round
         for node, reason in decision.reasons.items():
             if self.store.mark_lost(self.holder, number, node, reason):
@@ -260,6 +262,7 @@ class Controller:
         status = JobStatus(state="finished" if decision.finished else "failed", summary=decision.summary)
         number = view.round.round if view.round else None
         if decision.finished:
+            assert view.round is not None, "a job finishes when every member of its round did"
             event = new_event("job_finished", round=number, world_size=view.round.world_size)
         else:
             cause = decision.cause

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -203,7 +204,7 @@ def charged_nodes(failures: list[WorkerFailure], members: list[Member]) -> list[
     by_addr: dict[str, set[str]] = {}
     for member in members:
         by_addr.setdefault(member.addr, set()).add(member.node)
-    broken = set()
+    broken: set[frozenset[str]] = set()
     for failure in failures:
         if not failure.path_broken:
             continue
@@ -316,7 +317,7 @@ def decide(view: JobView, clock: Clock, now: float, settings: Settings) -> Decis
         return ForgetLeft(stale)
     if view.round is None:
         return _first_round(view, clock, now, settings)
-    return _running_round(view, clock, now, settings)
+    return _running_round(view, view.round, clock, now, settings)
 
 
 def _stale_leave_notices(view: JobView) -> list[str]:
@@ -336,7 +337,7 @@ def _first_round(view: JobView, clock: Clock, now: float, settings: Settings) ->
     if count >= settings.max_nodes:
         return _form(view, eligible, RoundReason.INITIAL, 0, settings, wall)
     if count >= settings.min_nodes:
-        deadline = clock.quorum_since + settings.last_call_timeout
+        deadline = _set(clock.quorum_since) + settings.last_call_timeout
         if now >= deadline:
             return _form(view, eligible, RoundReason.INITIAL, 0, settings, wall)
         return Wait(deadline, f"last call: {count} of up to {settings.max_nodes} node(s)")
@@ -350,8 +351,8 @@ def _first_round(view: JobView, clock: Clock, now: float, settings: Settings) ->
     return Wait(deadline, f"waiting for nodes: {count} of at least {settings.min_nodes}")
 
 
-def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) -> Decision:
-    round_, reports = view.round, view.current()
+def _running_round(view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings) -> Decision:
+    reports = view.current()
     wall = now + clock.wall_offset
     eligible = _eligible(view, wall)
     members = round_.members
@@ -369,7 +370,7 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
         reason = RoundReason.NODE_LEFT if len(left) == len(gone) else RoundReason.NODE_LOST
         if len(eligible) >= settings.min_nodes:
             return _form(view, eligible, reason, round_.restart_count, settings, wall, handled_left=left)
-        deadline = clock.short_since + settings.join_timeout
+        deadline = _set(clock.short_since) + settings.join_timeout
         if now >= deadline:
             return EndJob(
                 False,
@@ -384,7 +385,7 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
             return RequestDrain(round_.round, RoundReason.NODE_LEFT.value)  # the leaving agent waits for it
         return _evict_after_close_timeout(
             leaving,
-            clock.leaving_since,
+            _set(clock.leaving_since),
             now,
             settings,
             "did not finish leaving",
@@ -408,7 +409,7 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
             if unanswered:
                 return _evict_after_close_timeout(
                     unanswered,
-                    clock.rollcall_since,
+                    _set(clock.rollcall_since),
                     now,
                     settings,
                     "did not answer the roll call",
@@ -432,22 +433,28 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
     if all(m.node in reports.done for m in members):
         return EndJob(True, f"job {settings.rdzv_id} finished")
 
-    deadlines = []
+    deadlines: list[float] = []
     unstarted = [m for m in members if m.node not in reports.acked and m.node not in reports.done]
     if unstarted:
         decision = _evict_after_close_timeout(
-            unstarted, clock.round_seen_at, now, settings, f"did not start round {round_.round}", "members starting"
+            unstarted,
+            _set(clock.round_seen_at),
+            now,
+            settings,
+            f"did not start round {round_.round}",
+            "members starting",
         )
         if isinstance(decision, MarkLost):
             return decision
-        deadlines.append(decision.until)
+        if decision.until is not None:
+            deadlines.append(decision.until)
 
     waiting = _waiting(view, eligible)
     growing = bool(waiting) and len(members) < settings.max_nodes
     if round_.round in view.drains and not growing:
         return WithdrawDrain(round_.round)
     if growing:
-        deadline = clock.joiner_since + settings.last_call_timeout
+        deadline = _set(clock.joiner_since) + settings.last_call_timeout
         if len(members) + len(waiting) >= settings.max_nodes or now >= deadline:
             if settings.drain_timeout and round_.round not in view.drains:
                 return RequestDrain(round_.round, RoundReason.SCALE_UP.value)
@@ -464,7 +471,7 @@ def _running_round(view: JobView, clock: Clock, now: float, settings: Settings) 
 
 def _drain_answers(view: JobView) -> dict[str, DrainReport]:
     """Members' answers to the current round's drain (an answer to a withdrawn earlier one does not count)."""
-    request = view.drains.get(view.round.round)
+    request = view.drains.get(view.round.round) if view.round is not None else None
     if request is None:
         return {}
     return {node: r for node, r in view.current().drained.items() if r.number == request.number}
@@ -473,7 +480,7 @@ def _drain_answers(view: JobView) -> dict[str, DrainReport]:
 def _drained(view: JobView) -> bool:
     """Every member of the current round answered its drain."""
     answers = _drain_answers(view)
-    return bool(answers) and all(m.node in answers for m in view.round.members)
+    return bool(answers) and view.round is not None and all(m.node in answers for m in view.round.members)
 
 
 def _drain_outcome(view: JobView) -> DrainOutcome | None:
@@ -482,6 +489,12 @@ def _drain_outcome(view: JobView) -> DrainOutcome | None:
         return None
     steps = [r.step for r in _drain_answers(view).values() if r.step is not None]
     return DrainOutcome(committed=_drained(view), step=max(steps, default=None))
+
+
+def _set(since: float | None) -> float:
+    """A clock reading that `track` set, because the condition it times holds in this view."""
+    assert since is not None, "track() times every condition that holds"
+    return since
 
 
 def _evict_after_close_timeout(
@@ -502,8 +515,8 @@ def _form(
     restart_count: int,
     settings: Settings,
     wall: float,
-    charged: list[str] = (),
-    handled_left: list[str] = (),
+    charged: Sequence[str] = (),
+    handled_left: Sequence[str] = (),
 ) -> FormRound:
     """The next round of `eligible` nodes; each node `charged` with a worker failure takes a strike."""
     previous = view.round

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import tenacity
@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - exercised only where python-etcd3 is w
 
 logger = logging.getLogger(__name__)
 
-EtcdClient = etcd3.MultiEndpointEtcd3Client
+EtcdClient: TypeAlias = Any  # etcd3.MultiEndpointEtcd3Client: the client library has no type information
 RevisionCompacted = etcd_exceptions.RevisionCompactedError
 PutEvent = etcd_events.PutEvent
 DeleteEvent = etcd_events.DeleteEvent
@@ -127,6 +127,7 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
             self.call_credentials = None
 
     def _log_in_again(self) -> None:
+        assert self._login is not None, "only a client that logged in logs in again"
         user, password = self._login
         answer = self.authstub.Authenticate(etcdrpc.AuthenticateRequest(name=user, password=password), self.timeout)
         self.metadata = (("token", answer.token),)
@@ -324,6 +325,8 @@ def call_with_retry(fn: Callable[..., T], *args, deadline_s: float = 30.0, **kwa
         wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
         stop=tenacity.stop_after_delay(deadline_s),
         reraise=True,
-        before_sleep=lambda state: logger.debug("etcd call %s failed, retrying: %s", fn, state.outcome.exception()),
+        before_sleep=lambda state: logger.debug(
+            "etcd call %s failed, retrying: %s", fn, state.outcome.exception() if state.outcome else None
+        ),
     )
     return retrying(fn, *args, **kwargs)

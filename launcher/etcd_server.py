@@ -124,6 +124,7 @@ class EtcdServer:
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
+        assert self.process is not None, "start() launched it"
         client = etcd_client.connect(self.endpoint, timeout=1.0, security=self.ready_check)
         deadline = time.monotonic() + timeout_s
         try:
@@ -166,6 +167,7 @@ def main() -> int:
     """`python -m launcher.etcd_server`: run a throwaway etcd in the foreground (for trying multi-node jobs by hand)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with EtcdServer() as server:
+        assert server.process is not None, "started by the with statement"
         print(f"etcd listening on {server.endpoint}; Ctrl-C stops it", file=sys.stderr, flush=True)
         try:
             server.process.wait()

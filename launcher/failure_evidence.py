@@ -38,7 +38,7 @@ def _decode_address(text: str) -> str:
 
 
 def _socket_inodes(pid: int) -> set[int]:
-    inodes = set()
+    inodes: set[int] = set()
     try:
         entries = os.listdir(f"/proc/{pid}/fd")
     except OSError:

@@ -110,7 +110,7 @@ def _from_etcd(args: argparse.Namespace) -> int:
         while True:
             _print(events, args.json, header)
             if events:
-                header, seen = False, events[-1].revision
+                header, seen = False, events[-1].revision or seen
             if not args.follow or any(e.event in membership_log.TERMINAL_EVENTS for e in events):
                 return 0
             time.sleep(args.interval)

@@ -124,11 +124,11 @@ class LogMirror:
         with open(self.path, "a+") as file:
             fcntl.flock(file, fcntl.LOCK_EX)
             written = _last_revision(file)
-            fresh = [e for e in events if e.revision > written]
+            fresh = [e for e in events if (e.revision or 0) > written]  # read back from etcd: all have one
             file.write("".join(e.dumps() + "\n" for e in fresh))
             file.flush()
             os.fsync(file.fileno())
-        self.seen_revision = events[-1].revision
+        self.seen_revision = events[-1].revision or self.seen_revision
 
 
 def _last_revision(file) -> int:

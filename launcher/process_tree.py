@@ -123,7 +123,7 @@ def _stat_fields(pid: int | str) -> list[str] | None:
 
 def _living_processes(zombies: bool = False) -> dict[int, list[str]]:
     """pid -> stat fields of every process that is not a zombie (or of every process, with `zombies`)."""
-    found = {}
+    found: dict[int, list[str]] = {}
     if not os.path.isdir("/proc"):
         return found
     for entry in os.scandir("/proc"):
@@ -215,7 +215,7 @@ def _prctl(option: int, value: int) -> None:
 
 
 def _reap_all() -> list[tuple[int, int]]:
-    reaped = []
+    reaped: list[tuple[int, int]] = []
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -251,7 +251,7 @@ def _supervise() -> None:
     parent = int(sys.argv[3])
     command = sys.argv[4:]
     me = os.getpid()
-    parent_gone = []
+    parent_gone: list[int] = []
 
     def on_signal(signum, frame) -> None:
         # the parent-death signal, or a signal the agent sent to the group (the worker got it too: ignored here)
@@ -261,7 +261,7 @@ def _supervise() -> None:
 
     # what the worker would have inherited from the agent: an ignored signal (nohup's SIGHUP) stays ignored;
     # SIGPIPE and SIGXFSZ are ignored by Python itself, Popen gave us their defaults
-    ignored = []
+    ignored: list[int] = []
     for signum in signal.valid_signals():
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             continue

@@ -187,7 +187,7 @@ class RoundRecord(Record):
     def split(self) -> tuple[RoundHeader, list[MemberBucket]]:
         """The header every agent watches, and the member buckets each agent reads one of."""
         count = max(1, min(_MAX_BUCKETS, math.ceil(len(self.nodes) / _MEMBERS_PER_BUCKET)))
-        columns = [
+        columns: list[dict[str, list]] = [
             {"nodes": [], "incarnations": [], "nproc": [], "addrs": [], "group_ranks": [], "first_ranks": []}
             for _ in range(count)
         ]

@@ -80,10 +80,12 @@ def _run_as_main(script: str) -> None:
     path = os.path.abspath(script)
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     main = types.ModuleType("__main__")
-    main.__file__ = path
-    main.__cached__ = None
-    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
-    main.__builtins__ = builtins
+    main.__dict__.update(
+        __file__=path,
+        __cached__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+        __builtins__=builtins,
+    )
     sys.modules["__main__"] = main
     with io.open_code(path) as source:
         code = compile(source.read(), path, "exec")

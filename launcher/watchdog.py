@@ -226,7 +226,8 @@ def main_thread_frame(dump: str) -> Frame | None:
     The main thread is the dumped thread whose outermost frame is `<module>`. Peers of a hung worker show a
     collective here (`all_reduce` in torch/distributed/distributed_c10d.py), the hung worker something else.
     """
-    blocks, current = [], None
+    blocks: list[list[re.Match[str]]] = []
+    current: list[re.Match[str]] | None = None
     for line in dump.splitlines():
         if line.startswith(("Current thread 0x", "Thread 0x")):
             current = []
@@ -273,7 +274,7 @@ class WorkerWatch:
         starting = snapshot.beats == 0
         if starting and policy.startup is None:
             return None  # a script that never calls heartbeat is never watched
-        if starting:
+        if starting and policy.startup is not None:
             allowed = max(policy.startup, allowance(policy, (), snapshot.long_op))
         else:
             allowed = allowance(policy, snapshot.intervals, snapshot.long_op)

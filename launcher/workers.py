@@ -115,7 +115,7 @@ class StreamRoute:
     """Where one worker stream goes: the Popen argument, its log file, the console (and the line prefix there), and
     the duplicator of filtered lines; the agent pumps it line by line when the argument is a pipe."""
 
-    target: object
+    target: IO[bytes] | int | None  # a log file, subprocess.PIPE, or None: the agent's own stream
     log_file: IO[bytes] | None = None
     console: IO[str] | None = None
     prefix: str = ""
@@ -162,6 +162,7 @@ class WorkerGroup:
         self.round = round_
         self.member = member
         self.master = master
+        assert config.log_dir is not None, "elastic-run picks the log dir before workers start"
         self.attempt_dir = config.log_dir / config.node_id / f"attempt_{round_.round}"
         self.processes: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
@@ -237,7 +238,7 @@ class WorkerGroup:
                 pumped.append((read_end, write_end, route))
             elif route.target is None:
                 fds.append(sys.stdout.fileno() if name == "stdout" else sys.stderr.fileno())
-            else:
+            elif not isinstance(route.target, int):
                 fds.append(route.target.fileno())
         launched = warm.launch(env, [self.config.entrypoint, *self.config.args], *fds)
         for read_end, write_end, route in pumped:

@@ -51,6 +51,7 @@ def load_newest(ranks: Ranks, directory: Path, state: dict[str, Any]) -> Loaded:
     listed = {entry.key for entry in committed}
     damaged: list[tuple[CheckpointEntry, str]] = []
     for entry in reversed(committed):
+        assert entry.record is not None  # a committed entry has a commit record
         problems = ranks.problems(functools.partial(verify_readable, entry.path, entry.record.metadata_sha256))
         failed = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
         if failed and len(failed) < len(problems):

@@ -119,6 +119,7 @@ class CheckpointManager:
             if self.config.check_at_start:
                 self._check_directory_at_start(state)
             return None
+        assert entry.record is not None  # load_newest loads only committed checkpoints, which have a commit record
         logger.info(
             "loaded %s (saved by %d ranks, now %d) in %.2fs",
             entry.path,
@@ -244,6 +245,9 @@ class CheckpointManager:
             async_stager=self._stager,
             no_dist=self._single,
         )
+        # The stager stages synchronously (use_async_staging=False), so async_save hands back the upload's future
+        # itself; an AsyncSaveResponse comes only from a stager that returns a staging future.
+        assert isinstance(upload, Future)
         committed: Future = Future()
         if self._ranks.rank == 0:
             upload.add_done_callback(lambda done: self._commit_after_upload(done, attempt, writer, committed))

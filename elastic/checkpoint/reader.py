@@ -12,9 +12,10 @@ tell a damaged checkpoint (set aside, load the previous one) from a state that d
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import sys
-from typing import IO
+from typing import IO, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -50,17 +51,17 @@ class CheckpointReader(FileSystemReader):
         done.set_result(None)
         return done
 
-    def _read_rows(self, stream: IO[bytes], request: ReadItem, planner: LoadPlanner) -> bool:
+    def _read_rows(self, stream: io.BufferedReader, request: ReadItem, planner: LoadPlanner) -> bool:
         """Read ``request`` straight from the storage record; False when it needs DCP's general path."""
         info = self.storage_data[request.storage_index]
         if info.transform_descriptors or sys.byteorder != "little":
             return False
-        archive = torch._C.PyTorchFileReader(_create_file_view(stream, info.offset, info.length))
+        archive = torch._C.PyTorchFileReader(_record_view(stream, info.offset, info.length))
         storages = [name for name in archive.get_all_records() if name.startswith("data/")]
         if len(storages) != 1 or archive.get_record("byteorder") != b"little":
             return False
         # map_location="meta" reads the pickled header only: shape, strides, dtype, no data.
-        saved = torch.load(_create_file_view(stream, info.offset, info.length), map_location="meta", weights_only=True)
+        saved = torch.load(_record_view(stream, info.offset, info.length), map_location="meta", weights_only=True)
         offsets, lengths = list(request.storage_offsets), list(request.lengths)
         whole_rows = all(
             offset == 0 and length == size for offset, length, size in zip(offsets[1:], lengths[1:], saved.shape[1:])
@@ -69,9 +70,12 @@ class CheckpointReader(FileSystemReader):
             return False
         first_element = saved.storage_offset() + (offsets[0] * saved.stride(0) if offsets else 0)
         rows = torch.empty(lengths, dtype=saved.dtype)
-        stream.seek(info.offset + archive.get_record_offset(storages[0]) + first_element * saved.element_size())
+        record_offset = archive.get_record_offset(storages[0])  # type: ignore[attr-defined]  # not in torch's stubs
+        stream.seek(info.offset + record_offset + first_element * saved.element_size())
         wanted = math.prod(lengths) * saved.element_size()
-        if stream.readinto(rows.view(-1).view(torch.uint8).numpy()) != wanted:
+        rows_bytes = rows.view(-1).view(torch.uint8).numpy()
+        # numpy's stubs give ndarray the buffer protocol (__buffer__) only from Python 3.12 on
+        if stream.readinto(rows_bytes) != wanted:  # type: ignore[arg-type]  # an ndarray is a writable buffer
             raise OSError(f"{stream.name} ended before the {wanted} bytes of {request.storage_index.fqn}")
         target = planner.resolve_tensor(request).detach()
         if target.size() != rows.size():
@@ -81,3 +85,10 @@ class CheckpointReader(FileSystemReader):
         target.copy_(rows)
         planner.commit_tensor(request, target)
         return True
+
+
+def _record_view(stream: io.BufferedReader, offset: int, length: int) -> IO[bytes]:
+    """The bytes [offset, offset + length) of ``stream``, as a file that PyTorchFileReader and torch.load read."""
+    # torch's private _create_file_view is annotated as returning io.IOBase; what it returns is a readable,
+    # seekable binary file (its _ReaderView implements read, readinto, seek and tell).
+    return cast(IO[bytes], _create_file_view(stream, offset, length))

@@ -73,6 +73,7 @@ def _split_committed(
             doomed.append(entry)
             continue
         if entry.key not in verified:
+            assert entry.record is not None  # only committed entries are passed in, and they have a commit record
             try:
                 verify_readable(entry.path, entry.record.metadata_sha256)
             except (CheckpointError, OSError) as error:

@@ -22,6 +22,7 @@ def sync_module_states(module: torch.nn.Module, process_group: dist.ProcessGroup
     large buckets, so the cost is a few broadcasts rather than one per tensor.
     """
     group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None, "sync_module_states needs an initialized default process group"
     tensors = [_local(tensor) for tensor in (*module.parameters(), *module.buffers())]
     tensors = [tensor.detach() for tensor in tensors if tensor.numel() > 0]
     if tensors:

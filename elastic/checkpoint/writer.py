@@ -30,7 +30,8 @@ class CheckpointWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         # With thread_count=1 the whole write happens inside this call, on this thread.
-        with serialization.config.patch({"save.compute_crc32": False}):
+        # install_config_module adds patch() to the config module at runtime; torch ships no typing for it
+        with serialization.config.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]  # see above
             return super().write_data(plan, planner)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
