@@ -13,9 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
 from elastic.checkpoint.layout import CheckpointError
+from elastic.checkpoint.torch_internals import flat_keys
 
 REGENERATE_METHOD = "regenerate_state"
 _LAST_NUMBER = re.compile(r"(\d+)(?!.*\d)")
@@ -54,7 +53,7 @@ def split_entries(
     available = set(checkpoint_keys)
     to_regenerate: dict[str, list[str]] = {}
     for name, entry_state in state_dicts.items():
-        wanted = set(flatten_state_dict({name: entry_state})[0])
+        wanted = set(flat_keys({name: entry_state}))
         missing = wanted - available
         if not missing:
             continue

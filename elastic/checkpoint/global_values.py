@@ -12,10 +12,10 @@ import pickle
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint.ranks import Ranks
+from elastic.checkpoint.torch_internals import flat_keys
 
 SMALL_TENSOR_BYTES = 64 * 1024
 
@@ -37,7 +37,7 @@ def _digest(value: Any) -> str | None:
 
 def fingerprint(state_dict: dict[str, Any]) -> dict[str, str]:
     """Digest of every flattened key whose value must be identical on all ranks."""
-    flat, _ = flatten_state_dict(state_dict)
+    flat = flat_keys(state_dict)
     digests = {key: _digest(value) for key, value in flat.items()}
     return {key: digest for key, digest in digests.items() if digest is not None}
 

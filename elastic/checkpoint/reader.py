@@ -19,11 +19,11 @@ from typing import IO, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.filesystem import _create_file_view
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from elastic.checkpoint.errors import UnreadableDataError
+from elastic.checkpoint.torch_internals import RecordView, storage_record_offset
 
 
 class CheckpointReader(FileSystemReader):
@@ -56,12 +56,13 @@ class CheckpointReader(FileSystemReader):
         info = self.storage_data[request.storage_index]
         if info.transform_descriptors or sys.byteorder != "little":
             return False
-        archive = torch._C.PyTorchFileReader(_record_view(stream, info.offset, info.length))
-        storages = [name for name in archive.get_all_records() if name.startswith("data/")]
-        if len(storages) != 1 or archive.get_record("byteorder") != b"little":
+        storage = storage_record_offset(stream, info.offset, info.length)
+        if storage is None:
             return False
+        record_offset, _ = storage
         # map_location="meta" reads the pickled header only: shape, strides, dtype, no data.
-        saved = torch.load(_record_view(stream, info.offset, info.length), map_location="meta", weights_only=True)
+        record = cast(IO[bytes], RecordView(stream, info.offset, info.length))  # a readable, seekable binary file
+        saved = torch.load(record, map_location="meta", weights_only=True)
         offsets, lengths = list(request.storage_offsets), list(request.lengths)
         whole_rows = all(
             offset == 0 and length == size for offset, length, size in zip(offsets[1:], lengths[1:], saved.shape[1:])
@@ -70,7 +71,6 @@ class CheckpointReader(FileSystemReader):
             return False
         first_element = saved.storage_offset() + (offsets[0] * saved.stride(0) if offsets else 0)
         rows = torch.empty(lengths, dtype=saved.dtype)
-        record_offset = archive.get_record_offset(storages[0])  # type: ignore[attr-defined]  # not in torch's stubs
         stream.seek(info.offset + record_offset + first_element * saved.element_size())
         wanted = math.prod(lengths) * saved.element_size()
         rows_bytes = rows.view(-1).view(torch.uint8).numpy()
@@ -85,10 +85,3 @@ class CheckpointReader(FileSystemReader):
         target.copy_(rows)
         planner.commit_tensor(request, target)
         return True
-
-
-def _record_view(stream: io.BufferedReader, offset: int, length: int) -> IO[bytes]:
-    """The bytes [offset, offset + length) of ``stream``, as a file that PyTorchFileReader and torch.load read."""
-    # torch's private _create_file_view is annotated as returning io.IOBase; what it returns is a readable,
-    # seekable binary file (its _ReaderView implements read, readinto, seek and tell).
-    return cast(IO[bytes], _create_file_view(stream, offset, length))

@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from elastic.checkpoint.torch_internals import broadcast_tensors
+
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 
@@ -26,4 +28,4 @@ def sync_module_states(module: torch.nn.Module, process_group: dist.ProcessGroup
     tensors = [_local(tensor) for tensor in (*module.parameters(), *module.buffers())]
     tensors = [tensor.detach() for tensor in tensors if tensor.numel() > 0]
     if tensors:
-        dist._broadcast_coalesced(group, tensors, BROADCAST_BUCKET_BYTES, src)
+        broadcast_tensors(group, tensors, BROADCAST_BUCKET_BYTES, src)
