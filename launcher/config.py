@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -129,6 +130,17 @@ def one_line(exc: ValidationError, prefix: str = "") -> str:
     message = error["msg"].removeprefix("Value error, ")
     flag = f"{prefix}{where}" if where else prefix.strip()
     return f"{flag}: {message}" if flag else message
+
+
+def add_rdzv_conf_flag(parser: argparse.ArgumentParser) -> None:
+    """The --rdzv-conf of `elastic-run log` and `purge`: the job's own, read for its etcd security keys."""
+    parser.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default="",
+        help="the job's --rdzv-conf: its cacert, cert, key and user reach a secured etcd (password "
+        "from ELASTIC_ETCD_PASSWORD); other keys are ignored",
+    )
 
 
 def security_from_rdzv_conf(spec: str, environ: Mapping[str, str]) -> EtcdSecurity:

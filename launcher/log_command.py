@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from launcher import etcd_client, membership_log, timeline
-from launcher.config import security_from_rdzv_conf
+from launcher.config import add_rdzv_conf_flag, security_from_rdzv_conf
 from launcher.membership_log import MembershipEvent
 from launcher.protocol import JobKeys
 
@@ -20,13 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--rdzv-endpoint", "--rdzv_endpoint", help="etcd host:port of the job")
     source.add_argument("--file", type=Path, help="a membership.jsonl from an agent's --log-dir instead of etcd")
-    parser.add_argument(
-        "--rdzv-conf",
-        "--rdzv_conf",
-        default="",
-        help="the job's --rdzv-conf: its cacert, cert, key and user reach a secured etcd (password "
-        "from ELASTIC_ETCD_PASSWORD); other keys are ignored",
-    )
+    add_rdzv_conf_flag(parser)
     parser.add_argument("--rdzv-id", "--rdzv_id", help="the job id (required with --rdzv-endpoint)")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
     parser.add_argument("--follow", "-f", action="store_true", help="keep printing events as they arrive")

@@ -7,7 +7,7 @@ import os
 import sys
 
 from launcher import etcd_client
-from launcher.config import security_from_rdzv_conf
+from launcher.config import add_rdzv_conf_flag, security_from_rdzv_conf
 from launcher.protocol import JobStore
 
 
@@ -16,13 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="elastic-run purge", description="Delete every etcd key of a job that has finished or failed."
     )
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="etcd host:port of the job")
-    parser.add_argument(
-        "--rdzv-conf",
-        "--rdzv_conf",
-        default="",
-        help="the job's --rdzv-conf: its cacert, cert, key and user reach a secured etcd (password "
-        "from ELASTIC_ETCD_PASSWORD); other keys are ignored",
-    )
+    add_rdzv_conf_flag(parser)
     parser.add_argument("--rdzv-id", "--rdzv_id", required=True, help="the job id")
     parser.add_argument(
         "--force",

@@ -67,7 +67,6 @@ def test_each_loss_failure_and_drain_is_marked_and_labelled():
 
 @pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG"), (".svg", b"<?xml")])
 def test_log_plot_writes_the_picture_from_a_membership_file(tmp_path, suffix, magic):
-    pytest.importorskip("matplotlib", reason="the plot extra is not installed: pip install -e '.[plot]'")
     log = tmp_path / "membership.jsonl"
     log.write_text("".join(e.dumps() + "\n" for e in a_job()))
     out = tmp_path / f"timeline{suffix}"
