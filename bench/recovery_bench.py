@@ -61,6 +61,7 @@ TORCHRUN_DEFAULT_CONF = ""
 
 LAUNCHERS = ("elastic-run", "elastic-run-cold", "torchrun", "torchrun-defaults")
 FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "crash": signal.SIGKILL}
+FAULT_NAMES = {"kill": "node SIGKILL", "stop": "node SIGSTOP", "crash": "one worker SIGKILL"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--step-time", type=float, default=0.1, help="probe seconds between collectives (default 0.1)")
     parser.add_argument("--keep-logs", action="store_true", help="keep each scenario's directory and print its path")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw the results as bars into this PNG")
     args = parser.parse_args(argv)
     args.launchers = _choices(args.launchers, LAUNCHERS, "--launchers")
     args.faults = _choices(args.faults, tuple(FAULTS), "--faults")
@@ -679,7 +681,48 @@ def main(argv: list[str] | None = None) -> int:
         print_report(results, args)
         return 130
     print_report(results, args)
+    if args.plot is not None:
+        plot(results, args)
     return 0
+
+
+def plot(results: list[Result], args: argparse.Namespace) -> None:
+    """Seconds to the first collective after each fault, one bar per launcher; a hatched bar at the deadline
+    for none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 3.6), dpi=120)
+    width = 0.8 / len(args.launchers)
+    for index, launcher in enumerate(args.launchers):
+        for position, fault in enumerate(args.faults):
+            found = next((r for r in results if r.launcher == launcher and r.fault == fault), None)
+            if found is None:
+                continue
+            x = position + (index - (len(args.launchers) - 1) / 2) * width
+            seconds = found.seconds if found.seconds is not None else args.deadline
+            bar = axes.bar(
+                x,
+                seconds,
+                width,
+                color=f"C{index}",
+                label=launcher if position == 0 else None,
+                hatch="//" if found.seconds is None else None,
+                alpha=0.5 if found.seconds is None else 1,
+            )
+            text = f"{seconds:.2f}" if found.seconds is not None else f"none in {args.deadline:.0f}"
+            axes.bar_label(bar, [text], fontsize=7)
+    axes.set_xticks(range(len(args.faults)), [f"{f} ({FAULT_NAMES[f]})" for f in args.faults])
+    axes.set_ylabel("seconds to the first collective after")
+    axes.set_yscale("log")
+    axes.legend(fontsize=8)
+    axes.set_title(f"{NODES} nodes x {NPROC_PER_NODE} workers, the last node faulted, lease 1 s x 3", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(args.plot)
+    plt.close(figure)
+    logger.info("plot written to %s", args.plot)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""Every benchmark in one run, within 15 minutes on a 2-core machine: writes docs/benchmarks.md and its plots.
+
+    bench/run_all                      # or: python bench/run_all.py [--only recovery,checkpoint] [--out docs]
+
+Each benchmark runs as its own process with settings small enough for the budget, and compares against the
+baseline it measures in the same run (torchrun, a raw write, a cold start, ...); this script only collects:
+the machine the figures came from, each benchmark's command, its printed tables, its duration and its plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    args: list[str]
+    timeout_s: float
+    conditions: str
+    plot: str | None = None  # the PNG the benchmark writes into the output folder
+
+
+BENCHMARKS = [
+    Benchmark(
+        "recovery",
+        [
+            "bench/recovery_bench.py",
+            "--launchers",
+            "elastic-run,elastic-run-cold,torchrun",
+            "--faults",
+            "kill,stop,crash",
+            "--deadline",
+            "30",
+            "--plot",
+            "{out}/recovery.png",
+        ],
+        420,
+        "3 nodes x 2 workers of examples/collective_probe.py on one host; the last node (never the controller, "
+        "never torchrun's store host) faulted after 8 s of training; elastic-run lease 1 s x 3, probe_timeout "
+        "0.5 s; torchrun c10d with keep-alive 1 s x 3, last call 2 s",
+        "recovery.png",
+    ),
+    Benchmark(
+        "checkpoint",
+        ["bench/checkpoint_bench.py", "--megabytes", "100", "--rounds", "3"],
+        240,
+        "100 MiB of model state on 4 and 8 gloo ranks, 3 interleaved rounds, the temp directory's disk",
+    ),
+    Benchmark(
+        "rendezvous",
+        [
+            "bench/rendezvous_bench.py",
+            "--agents",
+            "16,256,1024",
+            "--idle-seconds",
+            "5",
+            "--budget",
+            "180",
+            "--plot",
+            "{out}/rendezvous.png",
+        ],
+        240,
+        "N simulated agents (the real Agent and Controller, no-op workers, 256 agents per process) on one local "
+        "etcd; lease 1 s x 3",
+        "rendezvous.png",
+    ),
+    Benchmark(
+        "idle",
+        ["bench/idle_cost.py", "--seconds", "10"],
+        90,
+        "3 real elastic-run agents whose workers sleep, 10 s window, default flags (lease 1 s x 3)",
+    ),
+]
+
+
+def machine() -> list[str]:
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in _lines("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor() or "?",
+    )
+    memory = next((line.split()[1] for line in _lines("/proc/meminfo") if line.startswith("MemTotal")), None)
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return [
+        f"- when: {datetime.now():%Y-%m-%d %H:%M}",
+        f"- commit: {commit.stdout.strip() or '?'}",
+        f"- CPU: {cpu}, {os.cpu_count()} cores; memory: {int(memory) // 1024**2 if memory else '?'} GiB",
+        f"- {platform.system()} {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}",
+        "- other work may have run on the host: treat the figures as +-30%; ratios are taken within one run",
+    ]
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def run(benchmark: Benchmark, out: Path) -> list[str]:
+    args = [arg.replace("{out}", str(out)) for arg in benchmark.args]
+    print(f"== {benchmark.name}: python {' '.join(args)} (at most {benchmark.timeout_s:.0f} s)", flush=True)
+    started = time.monotonic()
+    try:
+        result = subprocess.run(
+            [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=benchmark.timeout_s
+        )
+        output, outcome = result.stdout, f"exit code {result.returncode}"
+        if result.returncode != 0:
+            output += "\n" + result.stderr[-3000:]
+    except subprocess.TimeoutExpired as expired:
+        partial = expired.stdout or ""
+        output = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+        outcome = f"stopped at its {benchmark.timeout_s:.0f} s budget"
+    seconds = time.monotonic() - started
+    print(f"   {outcome}, {seconds:.0f} s", flush=True)
+    section = [
+        f"## {benchmark.name}",
+        "",
+        f"`python {' '.join(benchmark.args).replace('{out}/', 'docs/')}`: {outcome}, {seconds:.0f} s.",
+        "",
+        f"Conditions: {benchmark.conditions}.",
+        "",
+        "```",
+        output.strip(),
+        "```",
+        "",
+    ]
+    if benchmark.plot and (out / benchmark.plot).is_file():
+        section += [f"![{benchmark.name}]({benchmark.plot})", ""]
+    return section
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "docs", help="where benchmarks.md and the plots go")
+    parser.add_argument("--only", default="", help="comma-separated names: " + ", ".join(b.name for b in BENCHMARKS))
+    args = parser.parse_args(argv)
+    chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    sections = [line for benchmark in chosen for line in run(benchmark, args.out.resolve())]
+    minutes = (time.monotonic() - started) / 60
+    header = ["# Benchmarks", "", f"Written by `bench/run_all` in {minutes:.1f} minutes, on this machine:", ""]
+    (args.out / "benchmarks.md").write_text("\n".join([*header, *machine(), "", *sections]))
+    print(f"wrote {args.out / 'benchmarks.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
