@@ -286,6 +286,7 @@ def host_main(index: int, spec: dict, conn, events) -> None:
             local_addr="127.0.0.1",
             node_id=node,
             entrypoint="noop-worker",
+            warm_workers=False,  # no-op workers: a warm interpreter per simulated agent would import torch N times
         )
         agents[node] = BenchAgent(config, client)
 
