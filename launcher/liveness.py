@@ -23,15 +23,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-_ACCEPT_WAKE_S = 0.5  # how often the server thread looks whether it should stop
-
 
 class LivenessServer:
     """Answers every connection on (addr, an ephemeral port) with `incarnation`, from its own thread."""
 
     def __init__(self, addr: str) -> None:
+        # accept blocks (no periodic wake-up: a host running many simulated agents has as many of these threads);
+        # stop() shuts the socket down, which wakes it
         self._socket = socket.create_server((addr, 0), family=_family(addr), backlog=64)
-        self._socket.settimeout(_ACCEPT_WAKE_S)
         self.port: int = self._socket.getsockname()[1]
         self.incarnation = 0
         self._stopped = threading.Event()
@@ -43,17 +42,19 @@ class LivenessServer:
 
     def stop(self) -> None:
         self._stopped.set()
-        self._thread.join(timeout=2 * _ACCEPT_WAKE_S)
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # never started, or already shut
+        self._thread.join(timeout=2)
         self._socket.close()
 
     def _serve(self) -> None:
         while not self._stopped.is_set():
             try:
                 connection, _ = self._socket.accept()
-            except TimeoutError:
-                continue
             except OSError:
-                return  # closed
+                return  # shut down by stop()
             with connection:
                 try:
                     connection.sendall(f"{self.incarnation:x}\n".encode())
