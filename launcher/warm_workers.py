@@ -39,10 +39,6 @@ class WarmWorker:
 
     process: subprocess.Popen
     control: socket.socket
-    env: dict[str, str]
-
-    def fits(self, node_env: dict[str, str]) -> bool:
-        return self.process.poll() is None and node_env == self.env
 
     def launch(self, env: dict[str, str], argv: list[str], stdout_fd: int, stderr_fd: int) -> bool:
         """Hand over the round: False if the interpreter is gone (the caller starts the rank cold)."""
@@ -76,12 +72,13 @@ class WarmPool:
         warm = self._workers.pop(local_rank, None)
         if warm is None:
             return None
-        if warm.fits(node_env):
+        exited = warm.process.poll() is not None
+        if not exited and node_env == self.env:
             return warm
         logger.info(
             "local rank %d starts cold: its warm interpreter %s",
             local_rank,
-            "exited" if warm.process.poll() is not None else "was started with another environment",
+            "exited" if exited else "was started with another environment",
         )
         self._discard([warm])
         return None
@@ -103,7 +100,7 @@ class WarmPool:
                 stdout=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
             )
-        return WarmWorker(process, ours, self.env)
+        return WarmWorker(process, ours)
 
     @staticmethod
     def _discard(workers: list[WarmWorker]) -> None:

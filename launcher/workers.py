@@ -238,7 +238,8 @@ class WorkerGroup:
                 pumped.append((read_end, write_end, route))
             elif route.target is None:
                 fds.append(sys.stdout.fileno() if name == "stdout" else sys.stderr.fileno())
-            elif not isinstance(route.target, int):
+            else:
+                assert not isinstance(route.target, int), "subprocess.PIPE is the only descriptor number a route holds"
                 fds.append(route.target.fileno())
         launched = warm.launch(env, [self.config.entrypoint, *self.config.args], *fds)
         for read_end, write_end, route in pumped:
