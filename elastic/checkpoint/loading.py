@@ -84,7 +84,7 @@ def load_newest(ranks: Ranks, directory: Path, state: dict[str, Any]) -> Loaded:
 def _try_load(ranks: Ranks, entry: CheckpointEntry, state: dict[str, Any]) -> str | None:
     """Load ``entry``; None when it loaded, why not when its data is damaged. Other failures are raised."""
     try:
-        _load(ranks, entry, state)
+        load_folder(ranks, entry.path, entry.step, state)
     except CheckpointException as error:  # DCP raises it on every rank, with every rank's failure
         for _, (failure, _) in sorted(error.failures.items()):
             if isinstance(failure, UnreadableDataError):
@@ -93,14 +93,16 @@ def _try_load(ranks: Ranks, entry: CheckpointEntry, state: dict[str, Any]) -> st
     return None
 
 
-def _load(ranks: Ranks, entry: CheckpointEntry, state: dict[str, Any]) -> None:
+def load_folder(ranks: Ranks, folder: Path, step: int, state: dict[str, Any]) -> None:
+    """Load the DCP checkpoint of ``step`` in ``folder`` (a committed step-<N>, or a snapshot in memory) into
+    ``state``, in place, at this world size; entries saved in a foreign layout are regenerated from ``step``."""
     dicts = state_dicts(state)
-    metadata = FileSystemReader(entry.path).read_metadata()
-    to_regenerate = split_entries(state, dicts, metadata.state_dict_metadata, entry.path)
+    metadata = FileSystemReader(folder).read_metadata()
+    to_regenerate = split_entries(state, dicts, metadata.state_dict_metadata, folder)
     loadable = {name: value for name, value in dicts.items() if name not in to_regenerate}
     dcp.load(
         loadable,
-        storage_reader=CheckpointReader(entry.path),
+        storage_reader=CheckpointReader(folder),
         planner=DefaultLoadPlanner(),
         process_group=ranks.group,
         no_dist=ranks.group is None,
@@ -111,15 +113,15 @@ def _load(ranks: Ranks, entry: CheckpointEntry, state: dict[str, Any]) -> None:
         else:
             state[name] = loaded
     for name, foreign_keys in to_regenerate.items():
-        getattr(state[name], REGENERATE_METHOD)(entry.step)
+        getattr(state[name], REGENERATE_METHOD)(step)
         if ranks.rank == 0:
             logger.warning(
                 "%s holds %s for state entry %r, not its keys; regenerated %r from global step %d",
-                entry.path,
+                folder,
                 summarize_keys(foreign_keys) or "nothing",
                 name,
                 name,
-                entry.step,
+                step,
             )
 
 

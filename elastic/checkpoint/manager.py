@@ -35,6 +35,7 @@ from elastic.checkpoint.global_values import PerRankStateError, reject_per_rank_
 from elastic.checkpoint.integrity import verify_readable
 from elastic.checkpoint.layout import scan, step_dir
 from elastic.checkpoint.loading import load_newest, state_dicts
+from elastic.checkpoint.memory import MEMORY_DIR_ENV, MemorySnapshots, memory_dir_from_env
 from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
 from elastic.checkpoint.writer import CheckpointWriter
@@ -52,6 +53,9 @@ class CheckpointConfig(BaseModel):
     async_save: bool = Field(True, description="write in the background; training waits only for staging")
     check_at_start: bool = Field(True, description="save step 0 when there is nothing to load, to fail fast")
     every: int = Field(0, ge=0, description="should_save's schedule: every this many steps (0: drains only)")
+    memory_every: int = Field(
+        0, ge=0, description="also snapshot into the nodes' memory every this many steps, under elastic-run (0: never)"
+    )
 
 
 @dataclass
@@ -73,9 +77,15 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         check_at_start: bool = True,
         every: int = 0,
+        memory_every: int = 0,
     ) -> None:
         self.config = CheckpointConfig(
-            directory=Path(directory), keep=keep, async_save=async_save, check_at_start=check_at_start, every=every
+            directory=Path(directory),
+            keep=keep,
+            async_save=async_save,
+            check_at_start=check_at_start,
+            every=every,
+            memory_every=memory_every,
         )
         # Which round saves (recorded in every commit), and the directory's epoch this manager claims
         # at its first save; a newer manager's claim fences this one's commits out (fence.py).
@@ -88,6 +98,8 @@ class CheckpointManager:
         # drains agree every step on a group of their own: the checkpoint group may be busy in a background save
         self._drains = Drains(Ranks.dedicated(None).group)
         self._drain = 0  # the drain the next save answers
+        self._memory = self._memory_snapshots() if memory_every else None
+        self._memory_step: int | None = None  # the step should_save chose a memory snapshot for
         # One stager for the manager's life: it reuses its CPU copies, so staging after the first save is a memcpy.
         # With CUDA, the copies are pinned and filled by non-blocking copies (synchronised before the write).
         on_gpu = torch.cuda.is_available()
@@ -114,6 +126,10 @@ class CheckpointManager:
         self._ensure_open()
         self.wait()
         started = time.monotonic()
+        if self._memory is not None:
+            step = self._load_from_memory(state)
+            if step is not None:
+                return step
         entry, self._seen_at_load = load_newest(self._ranks, self.directory, state)
         if entry is None:
             if self.config.check_at_start:
@@ -132,14 +148,20 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: on the ``every`` schedule, or when elastic-run asks for a drain before a
-        planned change (drain.py). A collective: call it on every rank at every step, as in
-        ``if mgr.should_save(step): mgr.save(step, state)``."""
+        planned change (drain.py), to disk; else on the ``memory_every`` schedule, into memory (memory.py).
+        A collective: call it on every rank at every step, as in ``if mgr.should_save(step): mgr.save(step, state)``."""
         self._ensure_open()
         self._drain = self._drains.requested()
-        return bool(self._drain) or bool(self.config.every and step % self.config.every == 0)
+        durable = bool(self._drain) or bool(self.config.every and step % self.config.every == 0)
+        in_memory = not durable and self._memory is not None and step % self.config.memory_every == 0
+        self._memory_step = step if in_memory else None
+        return durable or in_memory
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Save ``state`` as ``step``; returns once it is staged (async) or committed (sync).
+
+        When should_save chose a memory snapshot for ``step``, snapshots it into the nodes' memory instead and
+        returns once every rank wrote it; any other call saves to disk.
 
         Waits first for the save in flight, and raises its failure if it failed. A manager's first
         save claims the directory (fence.py): from then on, a save of a manager that claimed it
@@ -147,6 +169,10 @@ class CheckpointManager:
         answers a drain commits before it returns, and returns only once the drain is withdrawn.
         """
         self._ensure_open()
+        if self._memory is not None and self._memory_step == step and not self._drain:
+            self._memory_step = None
+            self._memory.save(step, state)
+            return
         self.wait()
         drain, self._drain = self._drain, 0
         self._save(step, state, self.config.async_save and not drain)
@@ -176,6 +202,8 @@ class CheckpointManager:
         self._closed = True
         try:
             self.wait()
+            if self._memory is not None:
+                self._memory.wait_for_copy()
         finally:
             if self._stager is not None:
                 self._stager.close()
@@ -257,6 +285,39 @@ class CheckpointManager:
         logger.info(
             "staged step %d in %.2fs; writing %s in the background", step, time.monotonic() - started, attempt.folder
         )
+
+    def _memory_snapshots(self) -> MemorySnapshots | None:
+        """Snapshots in the memory elastic-run's agents hold, when every rank runs under one (collective)."""
+        snapshots = Ranks.dedicated(None)
+        copies = Ranks.dedicated(None)
+        root = memory_dir_from_env()
+        if not all(snapshots.gather(root is not None)):
+            if snapshots.rank == 0:
+                logger.warning(
+                    "memory_every=%d: no snapshots in memory, since %s is not set on every rank (elastic-run sets "
+                    "it); saving to disk only",
+                    self.config.memory_every,
+                    MEMORY_DIR_ENV,
+                )
+            return None
+        assert root is not None
+        return MemorySnapshots(root, snapshots, copies.group)
+
+    def _load_from_memory(self, state: dict[str, Any]) -> int | None:
+        """Load the newest memory snapshot if no committed checkpoint is newer; its step, else None."""
+        assert self._memory is not None
+        record = self._memory.newest()
+        entries = self._ranks.agree(lambda: scan(self.directory), f"listing {self.directory}", only_rank0=True)
+        committed = [entry for entry in entries if entry.committed]
+        if record is None or (committed and committed[-1].step > record.step):
+            return None
+        try:
+            self._memory.load(record, state)
+        except (RankFailure, CheckpointException) as error:  # raised on every rank; the disk load overwrites all
+            logger.warning("could not load step %d from memory (%s); loading from disk", record.step, error)
+            return None
+        self._seen_at_load = {entry.key for entry in committed}
+        return record.step
 
     def _claim(self) -> Fence:
         """Claim the directory (rank 0); the commits it keeps counting are those load_latest listed, if it ran."""

@@ -1,0 +1,371 @@
+"""Snapshots in host memory, with a copy on the next node: how a crash or a node loss costs at most one step.
+
+elastic-run's agent gives its workers a folder in shared memory (``ELASTIC_MEMORY_DIR``, on tmpfs) that it
+creates when it starts and removes when it exits, so a snapshot outlives the worker that wrote it. Each node's
+folder holds::
+
+    own/step-<N>/      the DCP snapshot of step N as this node has it: .metadata, this node's ranks' data files,
+                       and snapshot.json, written once every rank's data was written
+    peer/<digest>/     the previous node's data files of one snapshot (named by its metadata's digest, so files
+                       of two saves of one step never mix), each renamed into place once whole
+
+After a save, the leader of each node (its lowest rank) sends its node's data files to the leader of the next
+node (nodes in rank order, the last to the first) in the background, over a gloo group of their own; the next
+save waits for that copy. A step is loadable when some node has its snapshot.json and every data file it lists
+is whole on some node. To load it, the nodes send each other the files they lack (point to point, over the
+snapshot group), and every rank loads with DCP from its own node's folder: at any world size, as from disk.
+At most ``KEEP`` own snapshots and one peer copy (two while the next arrives) stay per node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from pydantic import BaseModel, ConfigDict
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from elastic.checkpoint.loading import load_folder, state_dicts
+from elastic.checkpoint.ranks import Ranks
+
+logger = logging.getLogger(__name__)
+
+MEMORY_DIR_ENV = "ELASTIC_MEMORY_DIR"
+KEEP = 2  # own snapshots per node: the newest, and the one before it while the newest is copied
+RECORD = "snapshot.json"
+METADATA = ".metadata"
+
+
+class SnapshotRecord(BaseModel):
+    """snapshot.json: which save this is, and every data file it needs (from its DCP metadata)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: int
+    world_size: int
+    files: tuple[str, ...]
+    metadata_sha256: str
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What one node holds: its snapshot records, and the size of every whole data file per snapshot digest."""
+
+    records: tuple[SnapshotRecord, ...]
+    files: dict[str, dict[str, int]]  # metadata digest -> file (data files, and .metadata with a record) -> size
+
+    def held(self, record: SnapshotRecord) -> dict[str, int]:
+        return self.files.get(record.metadata_sha256, {})
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One file sent from the leader of a node that has it to the leader of a node that lacks it."""
+
+    name: str
+    size: int
+    source: int
+    destination: int
+
+
+def memory_dir_from_env() -> Path | None:
+    value = os.environ.get(MEMORY_DIR_ENV)
+    return Path(value) if value else None
+
+
+def newest_loadable(inventories: list[Inventory]) -> SnapshotRecord | None:
+    """The newest snapshot whose every data file is whole on some node (one inventory per node)."""
+    records = {record.metadata_sha256: record for inventory in inventories for record in inventory.records}
+    for record in sorted(records.values(), key=lambda r: r.step, reverse=True):
+        held = set().union(*(inventory.held(record) for inventory in inventories))
+        if held >= set(record.files):
+            return record
+    return None
+
+
+def plan_transfers(record: SnapshotRecord, leaders: list[int], inventories: list[Inventory]) -> list[Transfer]:
+    """What each node lacks of ``record`` (its data files and its metadata), each file sent by the first node
+    in rank order that holds it; ``leaders[i]`` is the rank that speaks for the node of ``inventories[i]``."""
+    transfers = []
+    for name in (*record.files, METADATA):
+        holders = [
+            (leader, inv.held(record)[name]) for leader, inv in zip(leaders, inventories) if name in inv.held(record)
+        ]
+        if not holders:
+            raise ValueError(f"no node holds {name} of the memory snapshot of step {record.step}")
+        source, size = holders[0]
+        transfers += [
+            Transfer(name, size, source, leader)
+            for leader, inv in zip(leaders, inventories)
+            if name not in inv.held(record)
+        ]
+    return transfers
+
+
+class MemorySnapshots:
+    """The snapshots of this job in its nodes' shared memory; every method is a collective of all ranks."""
+
+    def __init__(self, root: Path, ranks: Ranks, copy_group: dist.ProcessGroup | None) -> None:
+        self.root = root
+        self._ranks = ranks
+        self._copy_group = copy_group
+        # ranks on one host with one folder are one node; its lowest rank (the leader) writes the node's shared files
+        nodes = ranks.gather(f"{socket.gethostname()}:{root.resolve()}")
+        self._leaders = sorted({nodes.index(node) for node in nodes})
+        self.leader = nodes.index(nodes[ranks.rank])
+        self.is_leader = self.leader == ranks.rank
+        position = self._leaders.index(self.leader)
+        self._next = self._leaders[(position + 1) % len(self._leaders)]
+        self._previous = self._leaders[position - 1]
+        self._copy: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
+
+    @property
+    def nodes(self) -> int:
+        return len(self._leaders)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Snapshot ``state`` as ``step`` into this node's memory; returns once every rank wrote it, and starts
+        the copy of this node's part to the next node."""
+        started = time.monotonic()
+        self.wait_for_copy()
+        folder = self._own(step)
+        self._ranks.agree(lambda: self._clear(folder), f"preparing the memory snapshot of step {step}")
+        writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
+        dcp.save(
+            state_dicts(state),
+            storage_writer=writer,
+            planner=DefaultSavePlanner(enable_plan_caching=True),
+            process_group=self._ranks.group,
+            no_dist=self._ranks.group is None,
+        )
+        metadata, record = self._ranks.agree(
+            lambda: self._describe(folder, step),
+            f"reading the metadata of the snapshot of step {step}",
+            only_rank0=True,
+        )
+        if self.is_leader:
+            self._publish(folder, metadata, record)
+            self._prune_own(step)
+            if self.nodes > 1:
+                self._copy = threading.Thread(
+                    target=self._copy_to_next, args=(folder, record), name="elastic-snapshot-copy", daemon=True
+                )
+                self._copy.start()
+        logger.debug("memory snapshot of step %d in %.3fs", step, time.monotonic() - started)
+
+    def wait_for_copy(self) -> None:
+        """Wait until this node's part of the last snapshot is on the next node (leaders; others return)."""
+        if self._copy is not None:
+            self._copy.join()
+            self._copy = None
+        if self._copy_error is not None:
+            error, self._copy_error = self._copy_error, None
+            logger.warning("could not copy the last memory snapshot to the next node: %s", error)
+
+    def newest(self) -> SnapshotRecord | None:
+        """The newest snapshot the nodes can assemble between them (every rank gets the same answer)."""
+        inventories = self._inventories()
+        return newest_loadable(inventories)
+
+    def load(self, record: SnapshotRecord, state: dict[str, Any]) -> None:
+        """Gather ``record``'s files on every node, then load it into ``state`` at this world size."""
+        started = time.monotonic()
+        inventories = self._inventories()
+        folder = self._own(record.step)
+        self._ranks.agree(
+            lambda: self._assemble(record, folder, inventories), f"gathering the memory snapshot of step {record.step}"
+        )
+        load_folder(self._ranks, folder, record.step, state)
+        logger.info(
+            "loaded step %d from memory (saved by %d ranks, now %d) in %.2fs",
+            record.step,
+            record.world_size,
+            self._ranks.world_size,
+            time.monotonic() - started,
+        )
+
+    # -- the files ---------------------------------------------------------------------------------------------
+    def _own(self, step: int) -> Path:
+        return self.root / "own" / f"step-{step}"
+
+    def _peer(self, digest: str) -> Path:
+        return self.root / "peer" / digest
+
+    def _clear(self, folder: Path) -> None:
+        if self.is_leader:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+
+    def _describe(self, folder: Path, step: int) -> tuple[bytes, SnapshotRecord]:
+        metadata = (folder / METADATA).read_bytes()
+        storage = FileSystemReader(folder).read_metadata().storage_data
+        files = tuple(sorted({info.relative_path for info in storage.values()}))
+        digest = hashlib.sha256(metadata).hexdigest()
+        return metadata, SnapshotRecord(
+            step=step, world_size=self._ranks.world_size, files=files, metadata_sha256=digest
+        )
+
+    def _publish(self, folder: Path, metadata: bytes, record: SnapshotRecord) -> None:
+        """Write the metadata and, last, the record that makes the snapshot count on this node."""
+        _write_atomically(folder / METADATA, metadata)
+        _write_atomically(folder / RECORD, record.model_dump_json().encode())
+
+    def _prune_own(self, newest: int) -> None:
+        steps = sorted(_steps(self.root / "own"))
+        for step in steps[: max(0, len(steps) - KEEP)]:
+            if step != newest:
+                shutil.rmtree(self._own(step), ignore_errors=True)
+
+    def _inventory(self) -> Inventory | None:
+        if not self.is_leader:
+            return None
+        records = []
+        files: dict[str, dict[str, int]] = {}
+        for step in _steps(self.root / "own"):
+            folder = self._own(step)
+            record = _record_in(folder)
+            if record is None:
+                continue  # not written by every rank: never loaded
+            records.append(record)
+            held = files.setdefault(record.metadata_sha256, {})
+            held.update(_whole_files(folder, record.files))
+            held[METADATA] = (folder / METADATA).stat().st_size
+        peers = self.root / "peer"
+        for folder in peers.iterdir() if peers.is_dir() else ():
+            files.setdefault(folder.name, {}).update(_whole_files(folder, None))
+        return Inventory(tuple(records), files)
+
+    def _inventories(self) -> list[Inventory]:
+        gathered = self._ranks.gather(self._inventory())
+        return [inventory for inventory in gathered if inventory is not None]
+
+    def _assemble(self, record: SnapshotRecord, folder: Path, inventories: list[Inventory]) -> None:
+        """Put every file of ``record`` into this node's ``folder``: links from its peer copy, the rest received
+        from the nodes that hold them; the record goes last, so the folder counts only once whole."""
+        transfers = plan_transfers(record, self._leaders, inventories)
+        if not self.is_leader:
+            return
+        if _record_in(folder) != record:  # another save of this step, or a partial one: none of its files count
+            shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        peer = self._peer(record.metadata_sha256)
+        for name in _whole_files(peer, record.files):
+            if not (folder / name).exists():
+                os.link(peer / name, folder / name)
+        operations: list[dist.P2POp] = []
+        received: list[tuple[Path, torch.Tensor]] = []
+        for tag, transfer in enumerate(transfers):
+            if transfer.source == self._ranks.rank:
+                data = torch.frombuffer(bytearray((folder / transfer.name).read_bytes()), dtype=torch.uint8)
+                operations.append(
+                    dist.P2POp(dist.isend, data, group=self._ranks.group, group_peer=transfer.destination, tag=tag)
+                )
+            elif transfer.destination == self._ranks.rank:
+                buffer = torch.empty(transfer.size, dtype=torch.uint8)
+                operations.append(
+                    dist.P2POp(dist.irecv, buffer, group=self._ranks.group, group_peer=transfer.source, tag=tag)
+                )
+                received.append((folder / transfer.name, buffer))
+        if operations:
+            for work in dist.batch_isend_irecv(operations):
+                work.wait()
+        for path, buffer in received:
+            _write_atomically(path, buffer.numpy().tobytes())
+        _write_atomically(folder / RECORD, record.model_dump_json().encode())
+
+    def _copy_to_next(self, folder: Path, record: SnapshotRecord) -> None:
+        """Send this node's data files of ``record`` to the next node's leader, and take the previous node's."""
+        try:
+            started = time.monotonic()
+            mine = sorted(_whole_files(folder, record.files).items())
+            header = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
+            theirs = json.loads(self._exchange(header).numpy().tobytes())
+            peer = self._peer(record.metadata_sha256)
+            peer.mkdir(parents=True, exist_ok=True)
+            operations = [
+                dist.P2POp(
+                    dist.isend,
+                    torch.frombuffer(bytearray((folder / name).read_bytes()), dtype=torch.uint8),
+                    group=self._copy_group,
+                    group_peer=self._next,
+                    tag=tag,
+                )
+                for tag, (name, _) in enumerate(mine)
+            ]
+            buffers = [(name, torch.empty(size, dtype=torch.uint8)) for name, size in theirs]
+            operations += [
+                dist.P2POp(dist.irecv, buffer, group=self._copy_group, group_peer=self._previous, tag=tag)
+                for tag, (_, buffer) in enumerate(buffers)
+            ]
+            for work in dist.batch_isend_irecv(operations):
+                work.wait()
+            for name, buffer in buffers:
+                _write_atomically(peer / name, buffer.numpy().tobytes())
+            for other in peer.parent.iterdir():
+                if other != peer:
+                    shutil.rmtree(other, ignore_errors=True)
+            logger.debug(
+                "copied step %d's memory snapshot to the next node in %.3fs", record.step, time.monotonic() - started
+            )
+        except Exception as error:  # reported by the next save; the snapshot is still whole on this node
+            self._copy_error = error
+
+    def _exchange(self, data: torch.Tensor) -> torch.Tensor:
+        """Send ``data`` to the next node's leader and return what the previous node's leader sent."""
+        length = torch.tensor([data.numel()], dtype=torch.int64)
+        their_length = torch.empty(1, dtype=torch.int64)
+        self._send_receive(length, their_length)
+        theirs = torch.empty(int(their_length.item()), dtype=torch.uint8)
+        self._send_receive(data, theirs)
+        return theirs
+
+    def _send_receive(self, mine: torch.Tensor, theirs: torch.Tensor) -> None:
+        operations = [
+            dist.P2POp(dist.isend, mine, group=self._copy_group, group_peer=self._next),
+            dist.P2POp(dist.irecv, theirs, group=self._copy_group, group_peer=self._previous),
+        ]
+        for work in dist.batch_isend_irecv(operations):
+            work.wait()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    partial = path.with_name(path.name + ".part")
+    partial.write_bytes(data)
+    partial.replace(path)
+
+
+def _record_in(folder: Path) -> SnapshotRecord | None:
+    try:
+        return SnapshotRecord.model_validate_json((folder / RECORD).read_bytes())
+    except (OSError, ValueError):  # absent (a save not every rank finished), or not written by this code
+        return None
+
+
+def _steps(folder: Path) -> list[int]:
+    if not folder.is_dir():
+        return []
+    return [
+        int(child.name[5:]) for child in folder.iterdir() if child.name.startswith("step-") and child.name[5:].isdigit()
+    ]
+
+
+def _whole_files(folder: Path, names: tuple[str, ...] | None) -> dict[str, int]:
+    """Sizes of the data files in ``folder`` (only ``names`` when given); a partial file ends in .part."""
+    if not folder.is_dir():
+        return {}
+    found = {child.name: child.stat().st_size for child in folder.iterdir() if child.name.endswith(".distcp")}
+    return found if names is None else {name: size for name, size in found.items() if name in names}

@@ -1,0 +1,152 @@
+"""Snapshots in memory: the choice of snapshot and transfers as tables, then real ranks on "nodes" that are
+folders of their own (as elastic-run's agents give them), losing a node and resharding from what survived."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from multiproc import run_ranks
+from test_checkpoint_reshard import assert_identical, full_state, sharded
+
+from elastic.checkpoint import CheckpointManager, ModelState
+from elastic.checkpoint.memory import (
+    MEMORY_DIR_ENV,
+    METADATA,
+    Inventory,
+    SnapshotRecord,
+    Transfer,
+    newest_loadable,
+    plan_transfers,
+)
+
+
+def record(step: int, files: tuple[str, ...] = ("__0_0.distcp", "__1_0.distcp")) -> SnapshotRecord:
+    return SnapshotRecord(step=step, world_size=len(files), files=files, metadata_sha256=f"digest{step}")
+
+
+def holding(*records_and_files: tuple[SnapshotRecord, bool, tuple[str, ...]]) -> Inventory:
+    """A node's inventory: per snapshot, whether it has the record (and so the metadata), and which data files."""
+    records = tuple(rec for rec, has_record, _ in records_and_files if has_record)
+    files: dict[str, dict[str, int]] = {}
+    for rec, has_record, names in records_and_files:
+        held = files.setdefault(rec.metadata_sha256, {})
+        held.update({name: 10 for name in names})
+        if has_record:
+            held[METADATA] = 3
+    return Inventory(records, files)
+
+
+A, B = "__0_0.distcp", "__1_0.distcp"
+
+
+@pytest.mark.parametrize(
+    ("inventories", "expected_step"),
+    [
+        pytest.param([], None, id="no nodes hold anything"),
+        pytest.param([holding((record(5), True, (A, B)))], 5, id="one node holds the whole snapshot"),
+        pytest.param(
+            [holding((record(5), True, (A,))), holding((record(5), False, (B,)))],
+            5,
+            id="each node holds a part: the second only as a peer copy",
+        ),
+        pytest.param(
+            [holding((record(4), True, (A, B)), (record(5), True, (A,)))],
+            4,
+            id="the newest lacks a file (its node was lost before the copy): the one before",
+        ),
+        pytest.param(
+            [holding((record(5), False, (A, B)))], None, id="files without a record (a save not finished) never count"
+        ),
+        pytest.param(
+            [holding((record(6), True, (A, B)), (record(7), True, (A, B)))], 7, id="the newest whole one wins"
+        ),
+    ],
+)
+def test_newest_loadable_snapshot(inventories: list[Inventory], expected_step: int | None) -> None:
+    found = newest_loadable(inventories)
+    assert (found.step if found else None) == expected_step
+
+
+def test_transfers_send_each_lacking_node_each_file_from_the_first_holder() -> None:
+    five = record(5)
+    inventories = [
+        holding((five, True, (A,))),  # rank 0's node: its own file, the metadata
+        holding((five, False, (B,))),  # rank 2's node: the lost node's file, from its peer copy
+        Inventory((), {}),  # rank 4's node joined with nothing
+    ]
+    assert plan_transfers(five, [0, 2, 4], inventories) == [
+        Transfer(A, 10, 0, 2),
+        Transfer(A, 10, 0, 4),
+        Transfer(B, 10, 2, 0),
+        Transfer(B, 10, 2, 4),
+        Transfer(METADATA, 3, 0, 2),
+        Transfer(METADATA, 3, 0, 4),
+    ]
+
+
+def test_a_file_no_node_holds_is_refused() -> None:
+    with pytest.raises(ValueError, match="no node holds __1_0.distcp"):
+        plan_transfers(record(5), [0], [holding((record(5), True, (A,)))])
+
+
+SNAPSHOT_STEP = 3
+
+
+def train_with_snapshots(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> dict[str, Any] | None:
+    """Two ranks per node; a memory snapshot every step, and the last step to disk as well."""
+    os.environ[MEMORY_DIR_ENV] = node_dirs[rank // 2]
+    model, optimizer = sharded(seed=0)
+    manager = CheckpointManager(disk, keep=2, async_save=False, check_at_start=False, memory_every=1)
+    state = {"model": ModelState(model, optimizer)}
+    assert manager.load_latest(state) is None
+    for step in range(1, SNAPSHOT_STEP + 1):
+        torch.manual_seed(100 * step + rank)
+        model(torch.randn(4, 6)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert manager.should_save(step)
+        manager.save(step, state)  # into memory
+    manager.save(SNAPSHOT_STEP, state)  # not chosen by should_save: to disk
+    manager.close()
+    expected = full_state(model, optimizer)
+    return expected if rank == 0 else None
+
+
+def load_after_loss(rank: int, world_size: int, disk: str, node_dirs: list[str], memory: bool) -> Any:
+    if memory:
+        os.environ[MEMORY_DIR_ENV] = node_dirs[rank // 2]
+    model, optimizer = sharded(seed=1 + rank)  # differs from what was saved, so a no-op load would fail
+    manager = CheckpointManager(disk, async_save=False, memory_every=1 if memory else 0)
+    step = manager.load_latest({"model": ModelState(model, optimizer)})
+    manager.close()
+    loaded = full_state(model, optimizer)  # a collective: every rank gathers
+    return step, loaded if rank == 0 else None
+
+
+@pytest.mark.timeout(240)
+def test_reshard_from_memory_after_a_node_loss_equals_reshard_from_disk(tmp_path: Path) -> None:
+    """4 ranks on 2 nodes snapshot into memory; node 1 is lost (its memory with it); 3 ranks load on node 0
+    (its own snapshot and node 1's part from its peer copy) and on a new node 2, value for value as from disk."""
+    disk = str(tmp_path / "disk")
+    nodes = [str(tmp_path / f"node{index}") for index in range(3)]
+    for node in nodes:
+        Path(node).mkdir()
+    expected = run_ranks(4, train_with_snapshots, disk, nodes[:2])[0]
+    assert expected["optimizer"]["state"], "AdamW state must be part of the comparison"
+    node1 = Path(nodes[1])
+    assert list((node1 / "own").iterdir()) and list((node1 / "peer").iterdir()), "node 1 held a snapshot and a copy"
+    shutil.rmtree(node1)
+
+    survivors = [nodes[0], nodes[2]]  # two ranks per node: ranks 0, 1 on node 0; rank 2 on the new node 2
+    from_memory = run_ranks(3, load_after_loss, disk, survivors, True)
+    from_disk = run_ranks(3, load_after_loss, disk, survivors, False)
+    assert [step for step, _ in from_memory] == [SNAPSHOT_STEP] * 3
+    assert [step for step, _ in from_disk] == [SNAPSHOT_STEP] * 3
+    assert_identical(from_memory[0][1], from_disk[0][1])
+    assert_identical(from_memory[0][1], expected)
+    assert (Path(nodes[2]) / "own" / f"step-{SNAPSHOT_STEP}" / "snapshot.json").exists(), "node 2 was given the files"
