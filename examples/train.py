@@ -80,6 +80,9 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, ge=0, description="seed of the model init, the data order and per-sample dropout")
     ckpt_dir: Path | None = Field(None, description="checkpoint directory shared by all ranks; none: no checkpoints")
     ckpt_every: int = Field(50, gt=0, description="save a checkpoint every this many steps")
+    memory_every: int = Field(
+        1, ge=0, description="between checkpoints, snapshot into the nodes' memory every this many steps (0: never)"
+    )
     stop_at: int | None = Field(None, gt=0, description="exit 0 once the checkpoint of this step is committed")
     crash_at: int | None = Field(
         None, gt=0, description="simulate a failure: rank 0 dies after this step, in round 0 only"
@@ -327,7 +330,9 @@ def main(config: TrainConfig) -> None:
     state = {"model": ModelState(model, optimizer), "dataloader": sampler, "lr_scheduler": schedule}
     manager = None
     if config.ckpt_dir:
-        manager = CheckpointManager(config.ckpt_dir, keep=3, async_save=True, every=config.ckpt_every)
+        manager = CheckpointManager(
+            config.ckpt_dir, keep=3, async_save=True, every=config.ckpt_every, memory_every=config.memory_every
+        )
     with long_operation("checkpoint load"):  # may take long: elastic-run's watchdog allows it more time
         start = (manager.load_latest(state) if manager else None) or 0
     if config.stop_at is not None and start >= config.stop_at:
@@ -385,7 +390,8 @@ def main(config: TrainConfig) -> None:
         if config.crash_at == step and round_number == 0 and rank == 0:
             logger.error("simulated failure after step %d (--crash-at)", step)
             os._exit(CRASH_EXIT_CODE)
-        # every --ckpt-every steps, or when elastic-run drains before a node joins or leaves (every rank asks)
+        # to disk every --ckpt-every steps, or when elastic-run drains before a node joins or leaves; else into
+        # memory every --memory-every steps (every rank asks)
         if manager and (manager.should_save(step) or step in (config.steps, config.stop_at)):
             with long_operation("checkpoint save"):
                 manager.save(step, state)

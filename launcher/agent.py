@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from elastic import node_memory
 from launcher import etcd_client
 from launcher.config import LaunchConfig
 from launcher.controller import Controller
@@ -125,6 +126,7 @@ class Agent:
         self.signal_received: int | None = None
         self.mirror = RangeMirror(self.client, self.store.keys.ctl)  # state/ctl/, started by run
         self.liveness = LivenessServer(self.addr)  # answers the controller's probes while this agent lives
+        self.memory_dir = node_memory.node_memory_dir(config.rdzv_id, config.node_id)  # workers' snapshots
         # the next round's workers, pre-started with torch imported (None: every worker starts cold)
         self.warm = (
             WarmPool(
@@ -153,6 +155,7 @@ class Agent:
             return self._job_already_over(status)
         self.mirror.start()
         self.liveness.start()
+        node_memory.create_empty(self.memory_dir)
         try:
             if self.warm is not None:
                 self.warm.fill()  # their imports overlap the rendezvous
@@ -167,6 +170,7 @@ class Agent:
                 self._keeper.stop()
             self.liveness.stop()
             self.mirror.close()
+            node_memory.remove(self.memory_dir)
             self._sync_log()
 
     def stop(self, signum: int = signal.SIGTERM) -> None:

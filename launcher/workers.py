@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from elastic.node_memory import MEMORY_DIR_ENV, node_memory_dir
 from elastic.watchdog import HEARTBEAT_ENV
 from launcher import failure_evidence
 from launcher.config import LaunchConfig, Std
@@ -40,7 +41,7 @@ def node_worker_env(addr: str, nproc: int) -> dict[str, str]:
 def worker_env(
     config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord, local_rank: int, error_file: Path
 ) -> dict[str, str]:
-    """The variables torchrun sets for a worker, plus ELASTIC_ROUND and ELASTIC_HEARTBEAT_FILE."""
+    """The variables torchrun sets for a worker, plus ELASTIC_ROUND, ELASTIC_HEARTBEAT_FILE and ELASTIC_MEMORY_DIR."""
     rank = member.first_rank + local_rank
     env = node_worker_env(member.addr, member.nproc)
     env.update(
@@ -68,6 +69,8 @@ def worker_env(
     # the worker's channel to its agent (heartbeats for the watchdog, drains): a file next to the error file,
     # created by WorkerGroup; never the channel of an outer elastic-run
     env[HEARTBEAT_ENV] = str(error_file.parent / HEARTBEAT_FILE)
+    # where CheckpointManager(memory_every=...) keeps snapshots; the agent holds the folder for the job's life
+    env[MEMORY_DIR_ENV] = str(node_memory_dir(config.rdzv_id, config.node_id))
     return env
 
 

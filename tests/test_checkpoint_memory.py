@@ -15,7 +15,6 @@ from test_checkpoint_reshard import assert_identical, full_state, sharded
 
 from elastic.checkpoint import CheckpointManager, ModelState
 from elastic.checkpoint.memory import (
-    MEMORY_DIR_ENV,
     METADATA,
     Inventory,
     SnapshotRecord,
@@ -23,6 +22,7 @@ from elastic.checkpoint.memory import (
     newest_loadable,
     plan_transfers,
 )
+from elastic.node_memory import MEMORY_DIR_ENV
 
 
 def record(step: int, files: tuple[str, ...] = ("__0_0.distcp", "__1_0.distcp")) -> SnapshotRecord:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from launcher_harness import FAST_RDZV, REPO, Cluster, elastic_run_command, events, pid_alive
@@ -61,6 +62,9 @@ def test_unmodified_torchrun_script_gets_torchruns_environment(cluster, tmp_path
         assert env["argv"] == [str(script), str(out), "3"] and env["path0"] == str(script.parent)
         assert env["file"] == str(script) and env["name"] == "__main__" and env["main_is_this"]
     assert len({env["MASTER_PORT"] for env in records.values()}) == 1
+    memory_dirs = {env["ELASTIC_MEMORY_DIR"] for env in records.values()}  # one per node, there while it ran
+    assert len(memory_dirs) == 2 and all(env["memory_dir_is_dir"] for env in records.values())
+    assert not any(Path(folder).exists() for folder in memory_dirs), "the agents free the snapshots' memory"
 
 
 def test_worker_crash_restarts_every_node_in_a_fresh_round(cluster, tmp_path):

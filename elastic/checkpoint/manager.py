@@ -35,10 +35,11 @@ from elastic.checkpoint.global_values import PerRankStateError, reject_per_rank_
 from elastic.checkpoint.integrity import verify_readable
 from elastic.checkpoint.layout import scan, step_dir
 from elastic.checkpoint.loading import load_newest, state_dicts
-from elastic.checkpoint.memory import MEMORY_DIR_ENV, MemorySnapshots, memory_dir_from_env
+from elastic.checkpoint.memory import MemorySnapshots
 from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
 from elastic.checkpoint.writer import CheckpointWriter
+from elastic.node_memory import MEMORY_DIR_ENV, memory_dir_from_env
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,6 @@ from elastic.checkpoint.ranks import Ranks
 
 logger = logging.getLogger(__name__)
 
-MEMORY_DIR_ENV = "ELASTIC_MEMORY_DIR"
 KEEP = 2  # own snapshots per node: the newest, and the one before it while the newest is copied
 RECORD = "snapshot.json"
 METADATA = ".metadata"
@@ -79,11 +78,6 @@ class Transfer:
     size: int
     source: int
     destination: int
-
-
-def memory_dir_from_env() -> Path | None:
-    value = os.environ.get(MEMORY_DIR_ENV)
-    return Path(value) if value else None
 
 
 def newest_loadable(inventories: list[Inventory]) -> SnapshotRecord | None:

@@ -27,6 +27,7 @@ NAMES = [
     "TORCHELASTIC_ERROR_FILE",
     "OMP_NUM_THREADS",
     "ELASTIC_ROUND",
+    "ELASTIC_MEMORY_DIR",
 ]
 
 dist.init_process_group()
@@ -42,6 +43,7 @@ record.update(
     file=__file__,
     name=__name__,
     main_is_this=sys.modules["__main__"].__dict__ is globals(),
+    memory_dir_is_dir=os.path.isdir(os.environ.get("ELASTIC_MEMORY_DIR", "")),
 )
 with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as out:
     json.dump(record, out)
