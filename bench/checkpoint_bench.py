@@ -1,11 +1,15 @@
-"""Checkpoint benchmark: training stall of async vs sync save, save throughput vs a raw write, reshard load time.
+"""Checkpoint benchmark: training stall of async vs sync save, save throughput vs a raw write, reshard load time,
+and snapshots in memory against disk (stall, and load).
 
     python bench/checkpoint_bench.py [--megabytes 200] [--rounds 5] [--directory /tmp]
 
 Targets: async stall <= 10% of the sync save; save throughput >= 80% of a raw sequential write of the
 same bytes (with fsync, same directory, same run); load at 8 ranks of a checkpoint saved at 4 ranks
-<= 1.2x the load at 8 ranks of one saved at 8. Each measure is interleaved with the one it is compared
-to, round after round, and the medians are compared, because the host may be busy with other work.
+<= 1.2x the load at 8 ranks of one saved at 8; at 4 ranks on 2 simulated nodes (a memory folder each, on
+/dev/shm), loading from memory >= 10x faster than from disk (the page cache dropped before each disk load when
+run as root), and a memory snapshot stalls training no longer than an async disk save. Each measure is
+interleaved with the one it is compared to, round after round, and the medians are compared, because the host
+may be busy with other work.
 Not a test: the figures depend on the machine and its load.
 """
 
@@ -30,6 +34,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from elastic.checkpoint import CheckpointManager, ModelState
+from elastic.node_memory import MEMORY_DIR_ENV, SHARED_MEMORY
 
 HIDDEN = 4096
 
@@ -115,6 +120,8 @@ def _rank(rank: int, world_size: int, port: int, megabytes: int, work: str, roun
     save_manager = CheckpointManager(Path(work) / f"saved-at-{world_size}", async_save=False, check_at_start=False)
     save_manager.save(1, state)
     save_manager.close()
+    if world_size == 4:
+        memory_rounds(rank, Path(work), state, rounds)
     if world_size == 8:
         loads: dict[str, list[float]] = {"same": [], "reshard": []}
         for _ in range(rounds):
@@ -125,6 +132,47 @@ def _rank(rank: int, world_size: int, port: int, megabytes: int, work: str, roun
         if rank == 0:
             (Path(work) / "loads.json").write_text(json.dumps(loads))
     dist.destroy_process_group()
+
+
+def drop_page_cache() -> bool:
+    """Evict cached file data, so a load from disk reads the disk (root only); whether it could."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+    except OSError:
+        return False
+    return True
+
+
+def memory_root(work: Path) -> Path:
+    """Where the simulated nodes keep their snapshots: in shared memory, as under elastic-run."""
+    return SHARED_MEMORY / work.name
+
+
+def memory_rounds(rank: int, work: Path, state: dict, rounds: int) -> None:
+    """4 ranks as 2 nodes of 2: the stall of a memory snapshot against an async disk save's, then the load of
+    the same state from memory (each node's own part, the other's from its copy) against the load from disk."""
+    os.environ[MEMORY_DIR_ENV] = str(memory_root(work) / f"node{rank // 2}")
+    directory = work / "memory-vs-disk"
+    manager = CheckpointManager(directory, async_save=True, check_at_start=False, memory_every=1)
+    times: dict[str, list[float]] = {"memory stall": [], "4-rank async stall": [], "memory load": [], "disk load": []}
+    for round_ in range(rounds):
+        disk_step, memory_step = 2 * round_ + 1, 2 * round_ + 2  # the newest is always in memory
+        times["4-rank async stall"].append(_timed_on_all_ranks(functools.partial(manager.save, disk_step, state)))
+        manager.wait()
+        assert manager.should_save(memory_step)  # chooses memory: no disk schedule
+        times["memory stall"].append(_timed_on_all_ranks(functools.partial(manager.save, memory_step, state)))
+    manager.close()
+    cold = True
+    for _ in range(rounds):
+        for kind, memory_every in (("memory load", 1), ("disk load", 0)):
+            loader = CheckpointManager(directory, check_at_start=False, memory_every=memory_every)
+            if kind == "disk load" and rank == 0:
+                cold = drop_page_cache() and cold
+            times[kind].append(_timed_on_all_ranks(functools.partial(loader.load_latest, state)))
+            loader.close()
+    if rank == 0:
+        (work / "memory.json").write_text(json.dumps({**times, "disk cache dropped": cold}))
 
 
 def on_ranks(world_size: int, megabytes: int, work: Path, rounds: int) -> None:
@@ -149,8 +197,12 @@ def main() -> None:
         on_ranks(4, args.megabytes, work, args.rounds)
         on_ranks(8, args.megabytes, work, args.rounds)
         times.update(json.loads((work / "loads.json").read_text()))
+        memory = json.loads((work / "memory.json").read_text())
+        cold = memory.pop("disk cache dropped")
+        times.update(memory)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(memory_root(work), ignore_errors=True)
 
     median = {name: statistics.median(values) for name, values in times.items()}
     mib = size / 2**20
@@ -163,6 +215,10 @@ def main() -> None:
         ("async save: until committed", "async total"),
         ("load at 8 ranks, saved at 8", "same"),
         ("load at 8 ranks, saved at 4 (reshard)", "reshard"),
+        ("4 ranks: async disk save, training stall", "4-rank async stall"),
+        ("4 ranks: memory snapshot, training stall", "memory stall"),
+        (f"4 ranks: load from disk ({'page cache dropped' if cold else 'page cache warm'})", "disk load"),
+        ("4 ranks: load from memory (2 nodes)", "memory load"),
     ]
     for label, name in rows:
         rounds = " ".join(f"{value:.3f}" for value in times[name])
@@ -172,6 +228,8 @@ def main() -> None:
         ("async stall / sync save", median["async stall"] / median["sync"], "<=", 0.10),
         ("save throughput / raw write", median["raw"] / median["sync"], ">=", 0.80),
         ("reshard load / same-size load", median["reshard"] / median["same"], "<=", 1.20),
+        ("disk load / memory load", median["disk load"] / median["memory load"], ">=", 10.0),
+        ("memory stall / async disk stall", median["memory stall"] / median["4-rank async stall"], "<=", 1.0),
     ]
     for label, ratio, relation, target in checks:
         met = ratio <= target if relation == "<=" else ratio >= target
