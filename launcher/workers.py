@@ -70,7 +70,7 @@ def worker_env(
     # created by WorkerGroup; never the channel of an outer elastic-run
     env[HEARTBEAT_ENV] = str(error_file.parent / HEARTBEAT_FILE)
     # where CheckpointManager(memory_every=...) keeps snapshots; the agent holds the folder for the job's life
-    env[MEMORY_DIR_ENV] = str(node_memory_dir(config.rdzv_id, config.node_id))
+    env[MEMORY_DIR_ENV] = str(node_memory_dir(config.rdzv_id, member.node))
     return env
 
 
