@@ -172,8 +172,7 @@ class MemorySnapshots:
 
     def newest(self) -> SnapshotRecord | None:
         """The newest snapshot the nodes can assemble between them (every rank gets the same answer)."""
-        inventories = self._inventories()
-        return newest_loadable(inventories)
+        return newest_loadable(self._inventories())
 
     def load(self, record: SnapshotRecord, state: dict[str, Any]) -> None:
         """Gather ``record``'s files on every node, then load it into ``state`` at this world size."""
@@ -264,7 +263,7 @@ class MemorySnapshots:
         received: list[tuple[Path, torch.Tensor]] = []
         for tag, transfer in enumerate(transfers):
             if transfer.source == self._ranks.rank:
-                data = torch.frombuffer(bytearray((folder / transfer.name).read_bytes()), dtype=torch.uint8)
+                data = _file_tensor(folder / transfer.name)
                 operations.append(
                     dist.P2POp(dist.isend, data, group=self._ranks.group, group_peer=transfer.destination, tag=tag)
                 )
@@ -274,9 +273,7 @@ class MemorySnapshots:
                     dist.P2POp(dist.irecv, buffer, group=self._ranks.group, group_peer=transfer.source, tag=tag)
                 )
                 received.append((folder / transfer.name, buffer))
-        if operations:
-            for work in dist.batch_isend_irecv(operations):
-                work.wait()
+        _complete(operations)
         for path, buffer in received:
             _write_atomically(path, buffer.numpy().tobytes())
         _write_atomically(folder / RECORD, record.model_dump_json().encode())
@@ -293,7 +290,7 @@ class MemorySnapshots:
             operations = [
                 dist.P2POp(
                     dist.isend,
-                    torch.frombuffer(bytearray((folder / name).read_bytes()), dtype=torch.uint8),
+                    _file_tensor(folder / name),
                     group=self._copy_group,
                     group_peer=self._next,
                     tag=tag,
@@ -305,8 +302,7 @@ class MemorySnapshots:
                 dist.P2POp(dist.irecv, buffer, group=self._copy_group, group_peer=self._previous, tag=tag)
                 for tag, (_, buffer) in enumerate(buffers)
             ]
-            for work in dist.batch_isend_irecv(operations):
-                work.wait()
+            _complete(operations)
             for name, buffer in buffers:
                 _write_atomically(peer / name, buffer.numpy().tobytes())
             for other in peer.parent.iterdir():
@@ -328,12 +324,25 @@ class MemorySnapshots:
         return theirs
 
     def _send_receive(self, mine: torch.Tensor, theirs: torch.Tensor) -> None:
-        operations = [
-            dist.P2POp(dist.isend, mine, group=self._copy_group, group_peer=self._next),
-            dist.P2POp(dist.irecv, theirs, group=self._copy_group, group_peer=self._previous),
-        ]
+        _complete(
+            [
+                dist.P2POp(dist.isend, mine, group=self._copy_group, group_peer=self._next),
+                dist.P2POp(dist.irecv, theirs, group=self._copy_group, group_peer=self._previous),
+            ]
+        )
+
+
+def _complete(operations: list[dist.P2POp]) -> None:
+    """Post the sends and receives together (so two leaders sending each other never wait on each other's send),
+    then wait for all of them."""
+    if operations:
         for work in dist.batch_isend_irecv(operations):
             work.wait()
+
+
+def _file_tensor(path: Path) -> torch.Tensor:
+    """A file's bytes as a tensor to send; writable memory, which torch.frombuffer wants."""
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
