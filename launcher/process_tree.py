@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.warm_interpreter import IDLE_NAME
+from launcher.warm_interpreter import CONTROL_FD_ENV
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -182,21 +182,33 @@ def child_pids(pid: int) -> list[int]:
     for child, fields in processes.items():
         children.setdefault(int(fields[1]), []).append(child)
     found = []
-    for child in children.get(pid, ()):
-        if _is_supervisor(child):
+    for supervisor in children.get(pid, ()):
+        child = supervisor
+        if _is_supervisor(supervisor):
             # orphans adopted by the supervisor are its children too; the worker is the one that started first
             # (an exited worker not yet reaped included, so that no orphan is taken for it)
             child = min(children.get(child, ()), key=lambda p: (int(processes[p][19]), p), default=child)  # starttime
-        if _process_name(child) != IDLE_NAME:
+        if not _waits_for_a_round(supervisor, child):
             found.append(child)
     return found
 
 
-def _process_name(pid: int) -> str:
+def _waits_for_a_round(supervisor: int, worker: int) -> bool:
+    """Whether `worker` is a warm interpreter that was not launched yet: it still holds the control socket its
+    supervisor was started with (an interpreter closes it when launched). True from the fork on, before the
+    interpreter could name itself, and false once launched even if the script reuses the descriptor's number."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+        environ = Path(f"/proc/{supervisor}/environ").read_bytes().split(b"\0")
     except OSError:
-        return ""
+        return False
+    prefix = f"{CONTROL_FD_ENV}=".encode()
+    fd = next((entry[len(prefix) :].decode() for entry in environ if entry.startswith(prefix)), None)
+    if fd is None:
+        return False
+    try:
+        return os.readlink(f"/proc/{worker}/fd/{fd}") == os.readlink(f"/proc/{supervisor}/fd/{fd}")
+    except OSError:
+        return False
 
 
 # -- the supervisor, run as `python -I -S -c _SUPERVISE MARK ROOT PARENT_PID COMMAND...` ----------------------

@@ -24,8 +24,8 @@ import types
 
 CONTROL_FD_ENV = "ELASTIC_WARM_CONTROL_FD"
 MAX_LAUNCH_BYTES = 4 << 20
-# the process name (/proc/<pid>/comm) while it waits: how `launcher.process_tree.child_pids` tells a waiting
-# interpreter from a worker; a launched one takes back the interpreter's own name, as a cold worker has it
+# the process name (/proc/<pid>/comm) while it waits, so that `ps` tells a spare from a worker; a launched one
+# takes back the interpreter's own name, as a cold worker has it
 IDLE_NAME = "elastic-warm"
 _PR_SET_NAME = 15
 
