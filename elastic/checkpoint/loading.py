@@ -93,16 +93,19 @@ def _try_load(ranks: Ranks, entry: CheckpointEntry, state: dict[str, Any]) -> st
     return None
 
 
-def load_folder(ranks: Ranks, folder: Path, step: int, state: dict[str, Any]) -> None:
-    """Load the DCP checkpoint of ``step`` in ``folder`` (a committed step-<N>, or a snapshot in memory) into
-    ``state``, in place, at this world size; entries saved in a foreign layout are regenerated from ``step``."""
+def load_folder(
+    ranks: Ranks, folder: Path, step: int, state: dict[str, Any], reader: type[CheckpointReader] = CheckpointReader
+) -> None:
+    """Load the DCP checkpoint of ``step`` in ``folder`` (a committed step-<N>, or a snapshot in memory, read
+    with its own ``reader``) into ``state``, in place, at this world size; entries saved in a foreign layout are
+    regenerated from ``step``."""
     dicts = state_dicts(state)
     metadata = FileSystemReader(folder).read_metadata()
     to_regenerate = split_entries(state, dicts, metadata.state_dict_metadata, folder)
     loadable = {name: value for name, value in dicts.items() if name not in to_regenerate}
     dcp.load(
         loadable,
-        storage_reader=CheckpointReader(folder),
+        storage_reader=reader(folder),
         planner=DefaultLoadPlanner(),
         process_group=ranks.group,
         no_dist=ranks.group is None,

@@ -4,8 +4,9 @@ elastic-run's agent gives its workers a folder in shared memory (``ELASTIC_MEMOR
 creates when it starts and removes when it exits, so a snapshot outlives the worker that wrote it. Each node's
 folder holds::
 
-    own/step-<N>/      the DCP snapshot of step N as this node has it: .metadata, this node's ranks' data files,
-                       and snapshot.json, written once every rank's data was written
+    own/step-<N>/      the DCP snapshot of step N as this node has it: .metadata, this node's ranks' data files
+                       (tensors as raw bytes: snapshot_format.py), and snapshot.json, written once every rank's
+                       data was written
     peer/<digest>/     the previous node's data files of one snapshot (named by its metadata's digest, so files
                        of two saves of one step never mix), each renamed into place once whole
 
@@ -35,11 +36,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from elastic.checkpoint.loading import load_folder, state_dicts
 from elastic.checkpoint.ranks import Ranks
+from elastic.checkpoint.snapshot_format import SnapshotReader, SnapshotWriter
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +140,9 @@ class MemorySnapshots:
         self.wait_for_copy()
         folder = self._own(step)
         self._ranks.agree(lambda: self._clear(folder), f"preparing the memory snapshot of step {step}")
-        writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
         dcp.save(
             state_dicts(state),
-            storage_writer=writer,
+            storage_writer=SnapshotWriter(folder),
             planner=DefaultSavePlanner(enable_plan_caching=True),
             process_group=self._ranks.group,
             no_dist=self._ranks.group is None,
@@ -182,7 +183,7 @@ class MemorySnapshots:
         self._ranks.agree(
             lambda: self._assemble(record, folder, inventories), f"gathering the memory snapshot of step {record.step}"
         )
-        load_folder(self._ranks, folder, record.step, state)
+        load_folder(self._ranks, folder, record.step, state, SnapshotReader)
         logger.info(
             "loaded step %d from memory (saved by %d ranks, now %d) in %.2fs",
             record.step,
@@ -260,7 +261,7 @@ class MemorySnapshots:
             if not (folder / name).exists():
                 os.link(peer / name, folder / name)
         operations: list[dist.P2POp] = []
-        received: list[tuple[Path, torch.Tensor]] = []
+        received: list[Path] = []
         for tag, transfer in enumerate(transfers):
             if transfer.source == self._ranks.rank:
                 data = _file_tensor(folder / transfer.name)
@@ -268,14 +269,15 @@ class MemorySnapshots:
                     dist.P2POp(dist.isend, data, group=self._ranks.group, group_peer=transfer.destination, tag=tag)
                 )
             elif transfer.destination == self._ranks.rank:
-                buffer = torch.empty(transfer.size, dtype=torch.uint8)
+                path = folder / transfer.name
+                buffer = _file_to_fill(path, transfer.size)
                 operations.append(
                     dist.P2POp(dist.irecv, buffer, group=self._ranks.group, group_peer=transfer.source, tag=tag)
                 )
-                received.append((folder / transfer.name, buffer))
+                received.append(path)
         _complete(operations)
-        for path, buffer in received:
-            _write_atomically(path, buffer.numpy().tobytes())
+        for path in received:
+            _partial(path).replace(path)
         _write_atomically(folder / RECORD, record.model_dump_json().encode())
 
     def _copy_to_next(self, folder: Path, record: SnapshotRecord) -> None:
@@ -297,14 +299,19 @@ class MemorySnapshots:
                 )
                 for tag, (name, _) in enumerate(mine)
             ]
-            buffers = [(name, torch.empty(size, dtype=torch.uint8)) for name, size in theirs]
             operations += [
-                dist.P2POp(dist.irecv, buffer, group=self._copy_group, group_peer=self._previous, tag=tag)
-                for tag, (_, buffer) in enumerate(buffers)
+                dist.P2POp(
+                    dist.irecv,
+                    _file_to_fill(peer / name, size),
+                    group=self._copy_group,
+                    group_peer=self._previous,
+                    tag=tag,
+                )
+                for tag, (name, size) in enumerate(theirs)
             ]
             _complete(operations)
-            for name, buffer in buffers:
-                _write_atomically(peer / name, buffer.numpy().tobytes())
+            for name, _ in theirs:
+                _partial(peer / name).replace(peer / name)
             for other in peer.parent.iterdir():
                 if other != peer:
                     shutil.rmtree(other, ignore_errors=True)
@@ -341,12 +348,24 @@ def _complete(operations: list[dist.P2POp]) -> None:
 
 
 def _file_tensor(path: Path) -> torch.Tensor:
-    """A file's bytes as a tensor to send; writable memory, which torch.frombuffer wants."""
-    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    """A file's bytes as a tensor to send, mapped copy-on-write: no copy in this process."""
+    return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+
+
+def _file_to_fill(path: Path, size: int) -> torch.Tensor:
+    """A tensor mapped onto a new ``size``-byte file beside ``path`` (its .part, renamed over ``path`` once
+    filled), so that what is received lands in the file with no copy in between."""
+    partial = _partial(path)
+    partial.unlink(missing_ok=True)
+    return torch.from_file(str(partial), shared=True, size=size, dtype=torch.uint8)
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(path.name + ".part")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    partial = path.with_name(path.name + ".part")
+    partial = _partial(path)
     partial.write_bytes(data)
     partial.replace(path)
 

@@ -1,0 +1,117 @@
+"""The file format of snapshots in memory: DCP's metadata, and each tensor as its raw bytes.
+
+A disk checkpoint stores each tensor as a torch.save record (a zip entry with a checksum), which costs a pass
+over the bytes to write and a header to parse per tensor to read. A snapshot lives in shared memory for minutes
+and is read back by the same code that wrote it, so it stores the bytes alone, aligned, and is read by mapping
+its file and copying each chunk (or the rows a resharded rank keeps) straight into the state's tensors. The
+metadata is DCP's own, so planning, resharding and the foreign-key checks work as for a disk checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from elastic.checkpoint.reader import CheckpointReader
+
+_ALIGNMENT = 64  # every tensor starts on a multiple of any element size, so a mapped file views as its dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class RawBytes:
+    """Where one item's raw bytes lie; read by DCP's code as its own storage info (the same fields)."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: None = None
+
+
+class SnapshotWriter(FileSystemWriter):
+    """One file per rank, unsynced (shared memory), tensors as raw bytes; objects as DCP pickles them."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        results = []
+        with open(Path(self.path) / name, "wb") as stream:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    assert isinstance(data, io.BytesIO), "DCP resolves a BYTE_IO item to a BytesIO"
+                    payload = data.getbuffer()
+                else:
+                    assert isinstance(data, torch.Tensor), "DCP resolves a tensor item to a tensor"
+                    stream.write(bytes(-stream.tell() % _ALIGNMENT))
+                    payload = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+                offset = stream.tell()
+                stream.write(payload)
+                storage = RawBytes(name, offset, stream.tell() - offset)
+                results.append(WriteResult(index=item.index, size_in_bytes=storage.length, storage_data=storage))
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+
+class SnapshotReader(CheckpointReader):
+    """Reads raw items by mapping their file; anything else (a checkpoint written otherwise) as from disk."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._chunks = {
+            (fqn, tuple(chunk.offsets)): (entry.properties.dtype, chunk.sizes)
+            for fqn, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
+            for chunk in entry.chunks
+        }
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        files: dict[str, torch.Tensor] = {}
+        written_otherwise: list[ReadItem] = []
+        for request in plan.items:
+            storage = self.storage_data[request.storage_index]
+            if not isinstance(storage, RawBytes):
+                written_otherwise.append(request)
+                continue
+            if storage.relative_path not in files:
+                path = Path(self.path) / storage.relative_path
+                # copy-on-write mapping: the snapshot's pages are read in place, never changed
+                files[storage.relative_path] = torch.from_file(
+                    str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8
+                )
+            data = files[storage.relative_path][storage.offset : storage.offset + storage.length]
+            if request.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(request, io.BytesIO(data.numpy().tobytes()))
+            else:
+                self._copy_chunk(request, data, planner)
+        return super()._read_data(dataclasses.replace(plan, items=written_otherwise), planner)
+
+    def _copy_chunk(self, request: ReadItem, data: torch.Tensor, planner: LoadPlanner) -> None:
+        index: MetadataIndex = request.storage_index
+        dtype, sizes = self._chunks[(index.fqn, tuple(index.offset or ()))]
+        saved = data.view(dtype).view(sizes)
+        for dim, (start, length) in enumerate(zip(request.storage_offsets, request.lengths)):
+            saved = saved.narrow(dim, start, length)
+        target = planner.resolve_tensor(request).detach()
+        if target.size() != saved.size():
+            raise ValueError(f"{index.fqn}: saved slice {tuple(saved.size())} != target {tuple(target.size())}")
+        target.copy_(saved)
+        planner.commit_tensor(request, target)
