@@ -150,3 +150,26 @@ def test_reshard_from_memory_after_a_node_loss_equals_reshard_from_disk(tmp_path
     assert_identical(from_memory[0][1], from_disk[0][1])
     assert_identical(from_memory[0][1], expected)
     assert (Path(nodes[2]) / "own" / f"step-{SNAPSHOT_STEP}" / "snapshot.json").exists(), "node 2 was given the files"
+
+
+def save_two_steps(rank: int, world_size: int, disk: str, node: str, async_save: bool) -> list[int] | None:
+    os.environ[MEMORY_DIR_ENV] = node
+    model, optimizer = sharded(seed=0)
+    manager = CheckpointManager(disk, every=2, async_save=async_save, check_at_start=False, memory_every=1)
+    state = {"model": ModelState(model, optimizer)}
+    for step in (1, 2):
+        assert manager.should_save(step)
+        manager.save(step, state)
+    manager.close()
+    return sorted(int(path.parent.name[5:]) for path in Path(node).glob("own/step-*/snapshot.json")) if rank else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("async_save", "in_memory"), [(True, [1, 2]), (False, [1])], ids=["async", "sync"])
+def test_a_disk_step_saved_async_is_snapshotted_in_memory_too(tmp_path: Path, async_save, in_memory) -> None:
+    """Until an async save commits (a node lost before, and it never does), the snapshot is the newest state;
+    a sync save has committed when it returns, so that step needs none."""
+    disk, node = tmp_path / "disk", tmp_path / "node"
+    node.mkdir()
+    assert run_ranks(2, save_two_steps, str(disk), str(node), async_save)[1] == in_memory
+    assert (disk / "step-2" / "commit.json").exists()

@@ -101,6 +101,7 @@ class CheckpointManager:
         self._drain = 0  # the drain the next save answers
         self._memory = self._memory_snapshots() if memory_every else None
         self._memory_step: int | None = None  # the step should_save chose a memory snapshot for
+        self._memory_only = False  # and whether that step is not also saved to disk
         # One stager for the manager's life: it reuses its CPU copies, so staging after the first save is a memcpy.
         # With CUDA, the copies are pinned and filled by non-blocking copies (synchronised before the write).
         on_gpu = torch.cuda.is_available()
@@ -149,20 +150,28 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: on the ``every`` schedule, or when elastic-run asks for a drain before a
-        planned change (drain.py), to disk; else on the ``memory_every`` schedule, into memory (memory.py).
+        planned change (drain.py), to disk; on the ``memory_every`` schedule, into memory (memory.py), and
+        that too at a disk step saved asynchronously: until its commit, the snapshot is the newest state.
         A collective: call it on every rank at every step, as in ``if mgr.should_save(step): mgr.save(step, state)``."""
         self._ensure_open()
         self._drain = self._drains.requested()
         durable = bool(self._drain) or bool(self.config.every and step % self.config.every == 0)
-        in_memory = not durable and self._memory is not None and step % self.config.memory_every == 0
+        in_memory = (
+            self._memory is not None
+            and step % self.config.memory_every == 0
+            and not self._drain  # a drain's save commits before it returns
+            and (self.config.async_save or not durable)
+        )
         self._memory_step = step if in_memory else None
+        self._memory_only = in_memory and not durable
         return durable or in_memory
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Save ``state`` as ``step``; returns once it is staged (async) or committed (sync).
 
-        When should_save chose a memory snapshot for ``step``, snapshots it into the nodes' memory instead and
-        returns once every rank wrote it; any other call saves to disk.
+        When should_save chose a memory snapshot for ``step``, snapshots it into the nodes' memory first (every
+        rank wrote it when that returns), then saves to disk only if ``step`` is a disk step too; any other call
+        saves to disk.
 
         Waits first for the save in flight, and raises its failure if it failed. A manager's first
         save claims the directory (fence.py): from then on, a save of a manager that claimed it
@@ -173,7 +182,8 @@ class CheckpointManager:
         if self._memory is not None and self._memory_step == step and not self._drain:
             self._memory_step = None
             self._memory.save(step, state)
-            return
+            if self._memory_only:
+                return
         self.wait()
         drain, self._drain = self._drain, 0
         self._save(step, state, self.config.async_save and not drain)
