@@ -378,6 +378,7 @@ def main(config: TrainConfig) -> None:
                 "samples": samples,
                 "loss": loss,
                 "lr": lr,
+                "time": time.time(),
             }
             append_sample_log(config.sample_log, record)
         if rank == 0:

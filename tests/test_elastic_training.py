@@ -8,7 +8,10 @@ import signal
 import time
 
 import pytest
-from launcher_harness import REPO, events
+from launcher_harness import REPO, events, pid_alive
+
+from elastic.checkpoint.layout import scan
+from launcher.process_tree import child_pids, descendant_pids
 
 pytestmark = pytest.mark.slow
 
@@ -85,3 +88,158 @@ def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path
     assert [e["node"] for e in log if e["event"] == "node_lost"] == ["c"]
     assert events(agents[0], "round_started")[-1]["world_size"] == 2
     assert log[-1]["event"] == "job_finished" and log[-1]["time"] > killed_at
+
+
+def committed_steps(directory, rounds_up_to: int | None = None) -> list[int]:
+    """The steps of the committed checkpoints in `directory`, oldest first; only those saved by a round up to
+    `rounds_up_to` when given."""
+    if not directory.is_dir():
+        return []
+    entries = [entry for entry in scan(directory) if entry.committed]
+    return [e.step for e in entries if rounds_up_to is None or (e.record.round or 0) <= rounds_up_to]
+
+
+def logged(sample_log) -> list[dict]:
+    return [json.loads(line) for line in sample_log.read_text().splitlines()] if sample_log.is_file() else []
+
+
+@pytest.mark.timeout(300)
+def test_a_node_paused_past_the_probe_timeout_is_fenced_rejoins_and_nothing_committed_is_lost(cluster, tmp_path):
+    """A false suspicion while training (issue #9): a node, agent and workers, is paused for 5 s, shorter than its
+    lease (8 s) but past probe_timeout (0.5 s), while the worker of another node crashes. The controller probes the
+    paused node, gets no answer and revokes its lease, and the other two go on without it from the newest snapshot
+    in memory. Once resumed, it finds its lease gone, kills its old workers and rejoins as a newcomer; the others
+    drain (a disk commit) and training ends at 3 ranks. Nothing committed is lost: every step and sample once in the
+    final history, at most the interrupted step redone (a snapshot in memory every step) and none at the planned
+    scale-up, no step that a disk checkpoint committed before the fault holds trained again, and those checkpoints
+    deleted only by retention (keep=3 newer commits).
+
+    The pause comes two steps after a disk-checkpoint step, once a commit after step 0 exists, so that the fault
+    round has committed checkpoints to lose."""
+    samples, ckpt = tmp_path / "samples.jsonl", tmp_path / "ckpt"
+    steps, global_batch, ckpt_every, keep = 120, 6, 5, 3  # keep: what examples/train.py gives CheckpointManager
+    args = [
+        "--steps",
+        str(steps),
+        "--global-batch",
+        str(global_batch),
+        "--micro-batch",
+        "2",
+        "--ckpt-dir",
+        str(ckpt),
+        "--ckpt-every",
+        str(ckpt_every),
+        "--memory-every",
+        "1",
+        "--sample-log",
+        str(samples),
+        *TINY,
+        "--corpus-chars",
+        "12000",  # 749 sequences of 16 characters: the 720 samples the job takes all differ
+    ]
+    long_lease = "keep_alive_interval=0.5,keep_alive_max_attempt=16,last_call_timeout=1,join_timeout=60"
+    agents = [
+        cluster.start(
+            n,
+            args,
+            nnodes="2:3",
+            nproc=1,
+            script=REPO / "examples" / "train.py",
+            rdzv_conf=long_lease,
+            extra=["--max-restarts", "3"],
+        )
+        for n in "abc"
+    ]
+    cluster.wait_for(lambda: logged(samples), 120, "the first step")
+    # neither the paused node nor the crashing one may be the controller: it must decide meanwhile
+    controller = cluster.controller()
+    victim, crashing = [agent for agent in agents if agent.node_id != controller][:2]
+
+    def time_to_pause() -> bool:
+        """All 3 ranks logged step 2 after a disk-checkpoint step, once some disk checkpoint after step 0 is
+        committed (polled faster than cluster.wait_for, so the pause comes before the next disk step)."""
+        done = [r["step"] for r in logged(samples) if r["world_size"] == 3]
+        ready = [s for s in set(done) if done.count(s) == 3 and s % ckpt_every == 2 and s > ckpt_every]
+        return bool(ready) and any(s >= ckpt_every for s in committed_steps(ckpt))
+
+    deadline = time.monotonic() + 120
+    while not time_to_pause():
+        assert time.monotonic() < deadline, "timed out waiting for a disk commit and step 7 or later\n" + cluster.dump()
+        time.sleep(0.02)
+    os.kill(victim.pid, signal.SIGSTOP)  # the agent first, so that it starts nothing while its tree is paused
+    paused = [victim.pid, *descendant_pids(victim.pid)]
+    for pid in paused[1:]:
+        os.kill(pid, signal.SIGSTOP)
+    crashed_at = time.time()
+    try:
+        old_workers = child_pids(victim.pid)
+        committed_before = committed_steps(ckpt)
+        before = logged(samples)
+        fault_round, fault_step = max(r["round"] for r in before), max(r["step"] for r in before)
+        os.kill(child_pids(crashing.pid)[0], signal.SIGKILL)
+        lost = cluster.wait_for(lambda: cluster.events("node_lost"), 10, f"{victim.node_id} lost on its probe")
+    finally:
+        time.sleep(max(0.0, crashed_at + 5 - time.time()))
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+    assert old_workers and committed_before and committed_before[-1] >= ckpt_every
+    assert [(e["node"], e["reason"]) for e in lost] == [
+        (victim.node_id, "no answer to a liveness probe within probe_timeout=0.5s")
+    ]
+    assert lost[0]["time"] - crashed_at < 4, "before the lease could have ended"
+    cluster.wait_for(lambda: not any(pid_alive(p) for p in old_workers), 10, "the paused node's old workers to go")
+    cluster.wait_for(lambda: any(r["round"] > fault_round for r in logged(samples)), 120, "a step after the fault")
+    # what the old round committed, up to its end (rank 0 may have committed a save in flight after the pause)
+    old_commits = sorted({*committed_before, *committed_steps(ckpt, rounds_up_to=fault_round)})
+    now = committed_steps(ckpt)
+    for step in committed_before:
+        assert step in now or len([s for s in now if s > step]) >= keep, f"step-{step} gone after the fault: {now}"
+    for agent in agents:
+        assert agent.wait(timeout=180) == 0, cluster.dump()
+    assert not cluster.events("job_failed")
+    rejoined = [e for e in cluster.events("node_joined") if e["node"] == victim.node_id]
+    assert len(rejoined) == 2, "it came back as a newcomer"
+    assert "rejoining as a newcomer" in victim.text()
+    reasons = {e["round"]: e["reason"] for e in cluster.events("round_started")}
+    assert cluster.events("round_started")[-1]["world_size"] == 3
+
+    records = logged(samples)
+    after = [r for r in records if r["round"] > fault_round]
+    resumed_from = min(r["step"] for r in after) - 1
+    redone = sorted({r["step"] for r in records if r["round"] <= fault_round} & {r["step"] for r in after})
+    trained = {n: {r["step"] for r in records if r["round"] == n} for n in sorted({r["round"] for r in after})}
+    earlier = {n: {r["step"] for r in after if r["round"] < n} for n in trained}  # by the rounds since the fault
+    planned = {n: sorted(s & earlier[n]) for n, s in trained.items() if reasons[n] == "scale_up"}
+    final = committed_steps(ckpt)
+    rounds: dict[tuple[int, int], set[int]] = {}
+    for r in records:
+        rounds.setdefault((r["round"], r["world_size"]), set()).add(r["step"])
+    loads = [
+        f"{agent.node_id}: {line}"
+        for agent in agents
+        for line in agent.text().splitlines()
+        if "INFO train: round" in line or " loaded " in line or "could not" in line
+    ]
+    print(
+        f"\n{victim.node_id} paused after step {fault_step} (commits then: {committed_before}, the old round's in "
+        f"all: {old_commits}); the next round resumed from step {resumed_from}; steps redone: {redone}; commits at "
+        f"the end: {final}; rounds (number, world size: steps): "
+        + ", ".join(f"{n}, {w}: {min(s)}-{max(s)}" for (n, w), s in sorted(rounds.items()))
+    )
+    history = committed_history(samples)
+    assert sorted(history) == list(range(1, steps + 1))
+    worlds = [history[s][0]["world_size"] for s in sorted(history)]
+    assert worlds[0] == 3 and worlds[-1] == 3, worlds
+    used = [i for kept in history.values() for r in kept for i in r["samples"]]
+    assert len(used) == steps * global_batch and len(set(used)) == len(used), "every sample once, none skipped"
+
+    assert resumed_from >= old_commits[-1], "a step committed before the fault was trained again:\n" + "\n".join(loads)
+    assert len(redone) <= 1, f"steps {redone} redone after the fault; where each round started:\n" + "\n".join(loads)
+    assert planned and not any(planned.values()), f"steps redone after the drain: {planned}\n" + "\n".join(loads)
+    for step in redone:
+        first = {i for r in records if r["step"] == step and r["round"] <= fault_round for i in r["samples"]}
+        assert first <= {i for r in history[step] for i in r["samples"]}, f"step {step} was redone on other samples"
+        assert {r["lr"] for r in records if r["step"] == step} == {history[step][0]["lr"]}
+    assert final[-1] == steps
+    for step in committed_before:
+        assert step in final or len([s for s in final if s > step]) >= keep, f"step-{step} deleted, not by retention"
