@@ -149,13 +149,31 @@ def memory_root(work: Path) -> Path:
     return SHARED_MEMORY / work.name
 
 
+def read_seconds(paths: list[Path]) -> float:
+    """Seconds to read every byte of ``paths`` into memory, in 4 MiB blocks."""
+    block = bytearray(4 << 20)
+    started = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as stream:
+            while stream.readinto(block):
+                pass
+    return time.perf_counter() - started
+
+
 def memory_rounds(rank: int, work: Path, state: dict, rounds: int) -> None:
     """4 ranks as 2 nodes of 2: the stall of a memory snapshot against an async disk save's, then the load of
     the same state from memory (each node's own part, the other's from its copy) against the load from disk."""
     os.environ[MEMORY_DIR_ENV] = str(memory_root(work) / f"node{rank // 2}")
     directory = work / "memory-vs-disk"
     manager = CheckpointManager(directory, async_save=True, check_at_start=False, memory_every=1)
-    times: dict[str, list[float]] = {"memory stall": [], "4-rank async stall": [], "memory load": [], "disk load": []}
+    times: dict[str, list[float]] = {
+        "memory stall": [],
+        "4-rank async stall": [],
+        "memory load": [],
+        "disk load": [],
+        "memory read": [],
+        "disk read": [],
+    }
     for round_ in range(rounds):
         disk_step, memory_step = 2 * round_ + 1, 2 * round_ + 2  # the newest is always in memory
         times["4-rank async stall"].append(_timed_on_all_ranks(functools.partial(manager.save, disk_step, state)))
@@ -171,7 +189,13 @@ def memory_rounds(rank: int, work: Path, state: dict, rounds: int) -> None:
                 cold = drop_page_cache() and cold
             times[kind].append(_timed_on_all_ranks(functools.partial(loader.load_latest, state)))
             loader.close()
-    if rank == 0:
+    if rank == 0:  # the ceiling of the ratio: reading the same bytes and nothing else, one process
+        newest = max(directory.glob("step-*"), key=lambda folder: int(folder.name[5:]))
+        snapshot = sorted(memory_root(work).glob(f"node*/own/step-{2 * rounds}/*.distcp"))  # the last memory_step
+        for _ in range(rounds):
+            times["memory read"].append(read_seconds(snapshot))
+            cold = drop_page_cache() and cold
+            times["disk read"].append(read_seconds(sorted(newest.glob("*.distcp"))))
         (work / "memory.json").write_text(json.dumps({**times, "disk cache dropped": cold}))
 
 
@@ -219,6 +243,8 @@ def main() -> None:
         ("4 ranks: memory snapshot, training stall", "memory stall"),
         (f"4 ranks: load from disk ({'page cache dropped' if cold else 'page cache warm'})", "disk load"),
         ("4 ranks: load from memory (2 nodes)", "memory load"),
+        (f"disk checkpoint's files, read ({'cache dropped' if cold else 'cache warm'})", "disk read"),
+        ("memory snapshot's files, read", "memory read"),
     ]
     for label, name in rows:
         rounds = " ".join(f"{value:.3f}" for value in times[name])
@@ -229,6 +255,7 @@ def main() -> None:
         ("save throughput / raw write", median["raw"] / median["sync"], ">=", 0.80),
         ("reshard load / same-size load", median["reshard"] / median["same"], "<=", 1.20),
         ("disk load / memory load", median["disk load"] / median["memory load"], ">=", 10.0),
+        ("(ceiling: disk read / memory read)", median["disk read"] / median["memory read"], ">=", 10.0),
         ("memory stall / async disk stall", median["memory stall"] / median["4-rank async stall"], "<=", 1.0),
     ]
     for label, ratio, relation, target in checks:

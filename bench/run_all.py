@@ -1,4 +1,4 @@
-"""Every benchmark in one run, within 15 minutes on a 2-core machine: writes docs/benchmarks.md and its plots.
+"""Every benchmark in one run, within 25 minutes on a 2-core machine: writes docs/benchmarks.md and its plots.
 
     bench/run_all                      # or: python bench/run_all.py [--only recovery,checkpoint] [--out docs]
 
@@ -52,10 +52,19 @@ BENCHMARKS = [
         "recovery.png",
     ),
     Benchmark(
+        "training-recovery",
+        ["bench/training_recovery_bench.py"],
+        480,
+        "3 nodes x 2 workers of examples/train.py (a tiny model, a disk checkpoint every 50 steps) on one host, the "
+        "last node faulted at step 25; elastic-run defaults (warm workers, a snapshot in memory every step, drains) "
+        "against the same faults with --no-warm-workers --drain-timeout 0 and --memory-every 0; lease 1 s x 3; the "
+        "hang fault with --watchdog-min 5",
+    ),
+    Benchmark(
         "checkpoint",
-        ["bench/checkpoint_bench.py", "--megabytes", "100", "--rounds", "3"],
+        ["bench/checkpoint_bench.py", "--megabytes", "256", "--rounds", "3"],
         300,
-        "100 MiB of model state on 4 and 8 gloo ranks, 3 interleaved rounds, the temp directory's disk; memory "
+        "256 MiB of model state on 4 and 8 gloo ranks, 3 interleaved rounds, the temp directory's disk; memory "
         "snapshots at 4 ranks as 2 nodes of 2 (a /dev/shm folder each), the page cache dropped before each disk load",
     ),
     Benchmark(

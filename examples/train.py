@@ -392,10 +392,9 @@ def main(config: TrainConfig) -> None:
             logger.error("simulated failure after step %d (--crash-at)", step)
             os._exit(CRASH_EXIT_CODE)
         # to disk every --ckpt-every steps, or when elastic-run drains before a node joins or leaves; else into
-        # memory every --memory-every steps (every rank asks)
+        # memory every --memory-every steps (every rank asks); the manager marks a save to disk as a long operation
         if manager and (manager.should_save(step) or step in (config.steps, config.stop_at)):
-            with long_operation("checkpoint save"):
-                manager.save(step, state)
+            manager.save(step, state)
         if config.stop_at == step:
             assert manager is not None  # TrainConfig rejects --stop-at without --ckpt-dir
             with long_operation("checkpoint commit"):

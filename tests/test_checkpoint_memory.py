@@ -3,6 +3,7 @@ folders of their own (as elastic-run's agents give them), losing a node and resh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -173,3 +174,28 @@ def test_a_disk_step_saved_async_is_snapshotted_in_memory_too(tmp_path: Path, as
     node.mkdir()
     assert run_ranks(2, save_two_steps, str(disk), str(node), async_save)[1] == in_memory
     assert (disk / "step-2" / "commit.json").exists()
+
+
+def steps_marked_long(rank: int, world_size: int, disk: str, node: str) -> list[tuple[int, str]]:
+    import elastic.checkpoint.manager as manager_module
+
+    os.environ[MEMORY_DIR_ENV] = node
+    marked: list[tuple[int, str]] = []
+    step = 0
+    manager_module.long_operation = lambda name: contextlib.nullcontext(marked.append((step, name)))
+    model, optimizer = sharded(seed=0)
+    manager = CheckpointManager(disk, every=2, check_at_start=False, memory_every=1)
+    for step in (1, 2, 3):
+        assert manager.should_save(step)
+        manager.save(step, {"model": ModelState(model, optimizer)})
+    manager.close()
+    return marked
+
+
+@pytest.mark.timeout(120)
+def test_only_a_save_to_disk_is_a_long_operation_for_the_watchdog(tmp_path: Path) -> None:
+    """A snapshot in memory is part of its step, watched as the step is: were it a long operation, a rank hung in
+    one would get the long-operation allowance (30 minutes by default) at every step."""
+    node = tmp_path / "node"
+    node.mkdir()
+    assert run_ranks(2, steps_marked_long, str(tmp_path / "disk"), str(node)) == [[(2, "checkpoint save")]] * 2

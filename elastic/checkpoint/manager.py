@@ -40,6 +40,7 @@ from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
 from elastic.checkpoint.writer import CheckpointWriter
 from elastic.node_memory import MEMORY_DIR_ENV, memory_dir_from_env
+from elastic.watchdog import long_operation
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ class CheckpointManager:
 
         When should_save chose a memory snapshot for ``step``, snapshots it into the nodes' memory first (every
         rank wrote it when that returns), then saves to disk only if ``step`` is a disk step too; any other call
-        saves to disk.
+        saves to disk, marked for elastic-run's watchdog as a long operation (a snapshot is not: it is part of
+        the step it follows, watched as the step is).
 
         Waits first for the save in flight, and raises its failure if it failed. A manager's first
         save claims the directory (fence.py): from then on, a save of a manager that claimed it
@@ -184,11 +186,12 @@ class CheckpointManager:
             self._memory.save(step, state)
             if self._memory_only:
                 return
-        self.wait()
-        drain, self._drain = self._drain, 0
-        self._save(step, state, self.config.async_save and not drain)
-        if drain:
-            self._drains.committed(drain, step)
+        with long_operation("checkpoint save"):
+            self.wait()
+            drain, self._drain = self._drain, 0
+            self._save(step, state, self.config.async_save and not drain)
+            if drain:
+                self._drains.committed(drain, step)
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise on every rank if it failed anywhere."""
