@@ -3,10 +3,16 @@
 elastic-run's agent empties it when it starts and removes it when it exits, and names it to its workers in
 ``ELASTIC_MEMORY_DIR``: snapshots outlive a crashed worker, not the job's agent on this node. It lies on tmpfs
 (``/dev/shm``), so a snapshot is a copy in RAM; where no writable ``/dev/shm`` exists, in the temp folder.
+
+An agent killed by SIGKILL cannot remove its folder, and tmpfs holds it until the host reboots. So the folder
+names its owner (``owner.json``: pid, the process's start time, its pid namespace), and an agent that starts frees
+the folders whose owner is gone: in its own pid namespace only, since another container sharing ``/dev/shm``
+has pids this one cannot see.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -25,15 +31,50 @@ def node_memory_dir(job_id: str, node_id: str) -> Path:
     return base / f"elastic-{job_id}-{node_id.replace(':', '_')}"
 
 
+def _identity(pid: int) -> dict[str, object]:
+    """What tells process ``pid`` from a later one with its number: its start time; and its pid namespace."""
+    try:
+        started = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = None
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = None
+    return {"pid": pid, "started": started, "namespace": namespace}
+
+
 def memory_dir_from_env() -> Path | None:
     value = os.environ.get(MEMORY_DIR_ENV)
     return Path(value) if value else None
 
 
+_PREFIX = "elastic-"
+OWNER = "owner.json"
+
+
 def create_empty(folder: Path) -> None:
-    """Make ``folder`` empty and private; what an earlier agent of this node left there is not this one's."""
+    """Make ``folder`` empty, private and this process's; what an earlier agent of this node left there is not
+    this one's."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(mode=0o700, parents=True)
+    (folder / OWNER).write_text(json.dumps(_identity(os.getpid())))
+
+
+def remove_abandoned(base: Path) -> list[Path]:
+    """Remove the folders under ``base`` whose owner process is gone (in this pid namespace); those removed."""
+    removed = []
+    for folder in base.glob(f"{_PREFIX}*"):
+        try:
+            owner = json.loads((folder / OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not a folder of ours, or one being created
+        if owner.get("namespace") != _identity(os.getpid())["namespace"] or _identity(owner["pid"]) == owner:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+        logger.info("freed %s: memory snapshots of an agent that is gone (pid %s)", folder, owner["pid"])
+    return removed
 
 
 def remove(folder: Path) -> None:

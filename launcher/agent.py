@@ -156,6 +156,7 @@ class Agent:
         self.mirror.start()
         self.liveness.start()
         node_memory.create_empty(self.memory_dir)
+        node_memory.remove_abandoned(self.memory_dir.parent)
         try:
             if self.warm is not None:
                 self.warm.fill()  # their imports overlap the rendezvous

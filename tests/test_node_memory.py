@@ -1,0 +1,46 @@
+"""The node's memory folder: owned by its agent, freed by the next agent on the host once its owner is gone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from elastic import node_memory
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def owned_by_a_process_that_exited(folder) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    identity = node_memory._identity(child.pid)
+    child.communicate(b"")
+    folder.mkdir()
+    (folder / node_memory.OWNER).write_text(json.dumps(identity))
+    (folder / "own").mkdir()
+
+
+def test_folders_whose_owner_is_gone_are_freed_and_no_other(tmp_path):
+    mine = tmp_path / "elastic-job-a"
+    node_memory.create_empty(mine)
+    abandoned = tmp_path / "elastic-job-b"
+    owned_by_a_process_that_exited(abandoned)
+    elsewhere = tmp_path / "elastic-job-c"  # an agent in another container sharing /dev/shm
+    elsewhere.mkdir()
+    identity = dict(node_memory._identity(1), namespace="pid:[0]", started="0")
+    (elsewhere / node_memory.OWNER).write_text(json.dumps(identity))
+    unowned = tmp_path / "elastic-job-d"  # not written by this code
+    unowned.mkdir()
+    other = tmp_path / "other-folder"
+    other.mkdir()
+    (other / node_memory.OWNER).write_text((abandoned / node_memory.OWNER).read_text())
+
+    assert node_memory.remove_abandoned(tmp_path) == [abandoned]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "elastic-job-a",
+        "elastic-job-c",
+        "elastic-job-d",
+        "other-folder",
+    ]
