@@ -7,7 +7,8 @@ elastic-run's agent empties it when it starts and removes it when it exits, and 
 An agent killed by SIGKILL cannot remove its folder, and tmpfs holds it until the host reboots. So the folder
 names its owner (``owner.json``: pid, the process's start time, its pid namespace), and an agent that starts frees
 the folders whose owner is gone: in its own pid namespace only, since another container sharing ``/dev/shm``
-has pids this one cannot see.
+has pids this one cannot see. One agent on a host sweeps per minute (a stamp file says when), so that a host
+running many agents does not read every folder's owner once per agent.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ def memory_dir_from_env() -> Path | None:
 
 _PREFIX = "elastic-"
 OWNER = "owner.json"
+_SWEPT = ".elastic-memory-swept"
+SWEEP_EVERY_S = 60.0
 
 
 def create_empty(folder: Path) -> None:
@@ -62,7 +66,15 @@ def create_empty(folder: Path) -> None:
 
 
 def remove_abandoned(base: Path) -> list[Path]:
-    """Remove the folders under ``base`` whose owner process is gone (in this pid namespace); those removed."""
+    """Remove the folders under ``base`` whose owner process is gone (in this pid namespace), unless an agent
+    did so less than ``SWEEP_EVERY_S`` ago; those removed."""
+    stamp = base / _SWEPT
+    try:
+        if time.time() - stamp.stat().st_mtime < SWEEP_EVERY_S:
+            return []
+    except FileNotFoundError:
+        pass
+    stamp.touch()
     removed = []
     for folder in base.glob(f"{_PREFIX}*"):
         try:

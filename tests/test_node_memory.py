@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,8 +41,19 @@ def test_folders_whose_owner_is_gone_are_freed_and_no_other(tmp_path):
 
     assert node_memory.remove_abandoned(tmp_path) == [abandoned]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".elastic-memory-swept",
         "elastic-job-a",
         "elastic-job-c",
         "elastic-job-d",
         "other-folder",
     ]
+
+
+def test_one_agent_per_minute_sweeps_a_host(tmp_path):
+    assert node_memory.remove_abandoned(tmp_path) == []  # the first sweeps (nothing to free) and stamps
+    abandoned = tmp_path / "elastic-job-b"
+    owned_by_a_process_that_exited(abandoned)
+    assert node_memory.remove_abandoned(tmp_path) == [], "swept less than a minute ago"
+    stamp = tmp_path / ".elastic-memory-swept"
+    os.utime(stamp, (time.time() - node_memory.SWEEP_EVERY_S - 1,) * 2)
+    assert node_memory.remove_abandoned(tmp_path) == [abandoned]
