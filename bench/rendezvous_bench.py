@@ -602,6 +602,7 @@ def summarize_profile(path: str, top: int = 12) -> dict:
 
 
 def run_one(n: int, args: argparse.Namespace) -> dict:
+    from elastic.node_memory import node_memory_dir
     from launcher import etcd_client
     from launcher.etcd_server import EtcdServer
     from launcher.protocol import JobKeys
@@ -817,6 +818,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             client.close()
         if hosts is not None:
             hosts.stop()
+        for folder in node_memory_dir(rdzv_id, "").parent.glob(f"elastic-{rdzv_id}-*"):
+            shutil.rmtree(folder, ignore_errors=True)  # the agents' memory folders: their processes were killed
         if etcd is not None:
             etcd.stop()
         if args.keep_logs:
