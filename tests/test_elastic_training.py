@@ -18,6 +18,27 @@ pytestmark = pytest.mark.slow
 TINY = ["--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--corpus-chars", "6000"]
 
 
+def train_args(samples, ckpt, steps: int, global_batch: int, ckpt_every: int, memory_every: int) -> list[str]:
+    """examples/train.py's flags for a tiny model in micro-batches of 2, logging every rank's samples."""
+    return [
+        "--steps",
+        str(steps),
+        "--global-batch",
+        str(global_batch),
+        "--micro-batch",
+        "2",
+        "--ckpt-dir",
+        str(ckpt),
+        "--ckpt-every",
+        str(ckpt_every),
+        "--memory-every",
+        str(memory_every),
+        "--sample-log",
+        str(samples),
+        *TINY,
+    ]
+
+
 def committed_history(sample_log) -> dict[int, list[dict]]:
     """step -> the records of the last round that ran it: what the final model was trained on."""
     by_step: dict[int, list[dict]] = {}
@@ -39,23 +60,7 @@ def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path
     its copy on a survivor) and redo at most the step the kill interrupted."""
     samples = tmp_path / "samples.jsonl"
     steps, global_batch = 30, 6
-    args = [
-        "--steps",
-        str(steps),
-        "--global-batch",
-        str(global_batch),
-        "--micro-batch",
-        "2",
-        "--ckpt-dir",
-        str(tmp_path / "ckpt"),
-        "--ckpt-every",
-        str(ckpt_every),
-        "--memory-every",
-        str(memory_every),
-        "--sample-log",
-        str(samples),
-        *TINY,
-    ]
+    args = train_args(samples, tmp_path / "ckpt", steps, global_batch, ckpt_every, memory_every)
     agents = [cluster.start(n, args, nnodes="2:3", nproc=1, script=REPO / "examples" / "train.py") for n in "abc"]
     cluster.wait_for(lambda: samples.is_file() and '"step": 10,' in samples.read_text(), 120, "step 10 at 3 ranks")
     killed_at = time.time()
@@ -119,21 +124,7 @@ def test_a_node_paused_past_the_probe_timeout_is_fenced_rejoins_and_nothing_comm
     samples, ckpt = tmp_path / "samples.jsonl", tmp_path / "ckpt"
     steps, global_batch, ckpt_every, keep = 120, 6, 5, 3  # keep: what examples/train.py gives CheckpointManager
     args = [
-        "--steps",
-        str(steps),
-        "--global-batch",
-        str(global_batch),
-        "--micro-batch",
-        "2",
-        "--ckpt-dir",
-        str(ckpt),
-        "--ckpt-every",
-        str(ckpt_every),
-        "--memory-every",
-        "1",
-        "--sample-log",
-        str(samples),
-        *TINY,
+        *train_args(samples, ckpt, steps, global_batch, ckpt_every, memory_every=1),
         "--corpus-chars",
         "12000",  # 749 sequences of 16 characters: the 720 samples the job takes all differ
     ]
