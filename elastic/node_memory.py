@@ -25,12 +25,16 @@ logger = logging.getLogger(__name__)
 
 MEMORY_DIR_ENV = "ELASTIC_MEMORY_DIR"
 SHARED_MEMORY = Path("/dev/shm")
+OWNER = "owner.json"
+SWEEP_EVERY_S = 60.0
+_PREFIX = "elastic-"
+_SWEPT = ".elastic-memory-swept"
 
 
 def node_memory_dir(job_id: str, node_id: str) -> Path:
     """The folder of ``node_id``'s snapshots in job ``job_id`` (both are restricted to [A-Za-z0-9._:-])."""
     base = SHARED_MEMORY if os.access(SHARED_MEMORY, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"elastic-{job_id}-{node_id.replace(':', '_')}"
+    return base / f"{_PREFIX}{job_id}-{node_id.replace(':', '_')}"
 
 
 def _identity(pid: int) -> dict[str, object]:
@@ -51,12 +55,6 @@ def memory_dir_from_env() -> Path | None:
     return Path(value) if value else None
 
 
-_PREFIX = "elastic-"
-OWNER = "owner.json"
-_SWEPT = ".elastic-memory-swept"
-SWEEP_EVERY_S = 60.0
-
-
 def create_empty(folder: Path) -> None:
     """Make ``folder`` empty, private and this process's; what an earlier agent of this node left there is not
     this one's."""
@@ -75,13 +73,14 @@ def remove_abandoned(base: Path) -> list[Path]:
     except FileNotFoundError:
         pass
     stamp.touch()
+    namespace = _identity(os.getpid())["namespace"]
     removed = []
     for folder in base.glob(f"{_PREFIX}*"):
         try:
             owner = json.loads((folder / OWNER).read_text())
         except (OSError, ValueError):
             continue  # not a folder of ours, or one being created
-        if owner.get("namespace") != _identity(os.getpid())["namespace"] or _identity(owner["pid"]) == owner:
+        if owner.get("namespace") != namespace or _identity(owner["pid"]) == owner:
             continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)

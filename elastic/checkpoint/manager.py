@@ -181,7 +181,7 @@ class CheckpointManager:
         answers a drain commits before it returns, and returns only once the drain is withdrawn.
         """
         self._ensure_open()
-        if self._memory is not None and self._memory_step == step and not self._drain:
+        if self._memory is not None and self._memory_step == step:
             self._memory_step = None
             self._memory.save(step, state)
             if self._memory_only:

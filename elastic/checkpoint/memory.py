@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from elastic.checkpoint.loading import load_folder, state_dicts
 from elastic.checkpoint.ranks import Ranks
-from elastic.checkpoint.snapshot_format import SnapshotReader, SnapshotWriter
+from elastic.checkpoint.snapshot_format import SnapshotReader, SnapshotWriter, mapped_file
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class MemorySnapshots:
         received: list[Path] = []
         for tag, transfer in enumerate(transfers):
             if transfer.source == self._ranks.rank:
-                data = _file_tensor(folder / transfer.name)
+                data = mapped_file(folder / transfer.name)
                 operations.append(
                     dist.P2POp(dist.isend, data, group=self._ranks.group, group_peer=transfer.destination, tag=tag)
                 )
@@ -292,7 +292,7 @@ class MemorySnapshots:
             operations = [
                 dist.P2POp(
                     dist.isend,
-                    _file_tensor(folder / name),
+                    mapped_file(folder / name),
                     group=self._copy_group,
                     group_peer=self._next,
                     tag=tag,
@@ -345,11 +345,6 @@ def _complete(operations: list[dist.P2POp]) -> None:
     if operations:
         for work in dist.batch_isend_irecv(operations):
             work.wait()
-
-
-def _file_tensor(path: Path) -> torch.Tensor:
-    """A file's bytes as a tensor to send, mapped copy-on-write: no copy in this process."""
-    return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
 
 
 def _file_to_fill(path: Path, size: int) -> torch.Tensor:

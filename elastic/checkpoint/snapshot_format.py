@@ -43,6 +43,11 @@ class RawBytes:
     transform_descriptors: None = None
 
 
+def mapped_file(path: Path) -> torch.Tensor:
+    """A file's bytes as a tensor, mapped copy-on-write: read in place, no copy in this process."""
+    return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+
+
 class SnapshotWriter(FileSystemWriter):
     """One file per rank, unsynced (shared memory), tensors as raw bytes; objects as DCP pickles them."""
 
@@ -92,11 +97,7 @@ class SnapshotReader(CheckpointReader):
                 written_otherwise.append(request)
                 continue
             if storage.relative_path not in files:
-                path = Path(self.path) / storage.relative_path
-                # copy-on-write mapping: the snapshot's pages are read in place, never changed
-                files[storage.relative_path] = torch.from_file(
-                    str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8
-                )
+                files[storage.relative_path] = mapped_file(Path(self.path) / storage.relative_path)
             data = files[storage.relative_path][storage.offset : storage.offset + storage.length]
             if request.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(request, io.BytesIO(data.numpy().tobytes()))
