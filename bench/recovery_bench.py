@@ -42,6 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing: `python bench/recovery_bench.py`
 
+from elastic.node_memory import node_memory_dir  # noqa: E402
 from launcher.etcd_server import EtcdServer, free_port  # noqa: E402
 from launcher.process_tree import child_pids  # noqa: E402
 
@@ -197,6 +198,7 @@ class Job:
     agents: list[subprocess.Popen] = field(default_factory=list)
     etcd: EtcdServer | None = None
     output_sizes_at_fault: dict[int, int] = field(default_factory=dict)  # bytes each agent had printed
+    rdzv_id: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:8]}")
 
     @property
     def probe_log(self) -> Path:
@@ -209,14 +211,13 @@ class Job:
         return self.workdir / f"node{node}"
 
     def start(self, step_time: float) -> None:
-        rdzv_id = f"bench-{uuid.uuid4().hex[:8]}"
+        rdzv_id = self.rdzv_id
         if self.launcher.startswith("elastic-run"):
             etcd_dir = self.workdir / "etcd"  # inside the scenario directory, so it goes with it
             etcd_dir.mkdir()
             self.etcd = EtcdServer(data_dir=str(etcd_dir)).start()
         store_port = free_port()
         probe_args = [str(PROBE), "--steps", "100000", "--step-time", str(step_time), "--log", str(self.probe_log)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         for node in range(NODES):
             if self.launcher.startswith("elastic-run"):
                 warm = self.launcher == "elastic-run"
@@ -225,19 +226,7 @@ class Job:
             else:
                 conf = TORCHRUN_TUNED_CONF if self.launcher == "torchrun" else TORCHRUN_DEFAULT_CONF
                 command = torchrun_command(node, store_port, rdzv_id, conf, self.log_dir(node), probe_args)
-            with open(self.agent_output(node), "ab") as output:
-                # a session of its own: Ctrl-C in our terminal must not reach the agents before we clean up
-                self.agents.append(
-                    subprocess.Popen(
-                        command,
-                        cwd=REPO,
-                        env=env,
-                        stdout=output,
-                        stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
-                    )
-                )
+            self.start_agent(node, command)
             # join in order, so node 0 hosts torchrun's store and the faulted node is the last one in both launchers
             time.sleep(0.5)
         logger.info(
@@ -247,6 +236,22 @@ class Job:
             " ".join(str(a.pid) for a in self.agents),
             self.workdir,
         )
+
+    def start_agent(self, node: int, command: list[str]) -> None:
+        """Start agent `node` with `command`, its output appended to agent_output(node)."""
+        with open(self.agent_output(node), "ab") as output:
+            # a session of its own: Ctrl-C in our terminal must not reach the agents before we clean up
+            self.agents.append(
+                subprocess.Popen(
+                    command,
+                    cwd=REPO,
+                    env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
 
     def running_agents(self) -> int:
         return sum(agent.poll() is None for agent in self.agents)
@@ -275,8 +280,10 @@ class Job:
         logger.info("  SIGKILL worker pid %d of node%d", worker, node)
         return fault_time
 
-    def stop(self) -> None:
-        """Kill every process this job started, stopped ones included, then the etcd it ran on."""
+    def stop(self, settle_s: float = 10.0) -> None:
+        """Kill every process this job started, stopped ones included, then the etcd it ran on, and remove the
+        agents' memory folders (SIGKILLed, they cannot). A process still there after `settle_s` is reported:
+        SIGKILLed workers of torch take a moment to go on a loaded machine."""
         started = set(processes_mentioning(str(self.workdir)))
         for agent in self.agents:
             started.update(process_tree(agent.pid) if agent.poll() is None else [])
@@ -293,9 +300,14 @@ class Job:
                 logger.warning("  agent pid %d did not exit after SIGKILL", agent.pid)
         if self.etcd is not None:
             self.etcd.stop()
-        leftover = processes_mentioning(str(self.workdir))
-        if leftover:
-            logger.warning("  processes still alive after cleanup: %s", leftover)
+        for node in range(len(self.agents)):
+            shutil.rmtree(node_memory_dir(self.rdzv_id, f"node{node}"), ignore_errors=True)
+        deadline = time.monotonic() + settle_s
+        while leftover := processes_mentioning(str(self.workdir)):
+            if time.monotonic() > deadline:
+                logger.warning("  processes still alive %.0f s after cleanup: %s", settle_s, leftover)
+                return
+            time.sleep(0.2)
 
 
 def elastic_run_command(
@@ -661,7 +673,7 @@ def ratio_line(elastic: Result, baseline: Result, deadline: float) -> str:
     return f"neither recovered within {deadline:.0f} s"
 
 
-def _terminate_like_ctrl_c(signum: int, frame) -> None:
+def terminate_like_ctrl_c(signum: int, frame) -> None:
     raise KeyboardInterrupt  # so that SIGTERM, too, runs every scenario's cleanup
 
 
@@ -673,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         return training_main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
+    signal.signal(signal.SIGTERM, terminate_like_ctrl_c)
     results: list[Result] = []
     try:
         for fault in args.faults:

@@ -43,11 +43,9 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,10 +64,9 @@ from recovery_bench import (  # noqa: E402
     elastic_run_command,
     last_exception,
     membership_events,
-    processes_mentioning,
+    terminate_like_ctrl_c,
 )
 
-from elastic.node_memory import node_memory_dir  # noqa: E402
 from launcher.etcd_server import EtcdServer  # noqa: E402
 from launcher.process_tree import child_pids  # noqa: E402
 
@@ -175,19 +172,7 @@ def start_node(job: Job, node: int, rdzv_id: str, variant: str, fault: str) -> N
         [*launcher_flags, str(TRAIN), *train_args],
         warm=variant == "elastic-run",
     )
-    with open(job.agent_output(node), "ab") as output:
-        # a session of its own: Ctrl-C in our terminal must not reach the agents before we clean up
-        job.agents.append(
-            subprocess.Popen(
-                command,
-                cwd=REPO,
-                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        )
+    job.start_agent(node, command)
 
 
 def sample_log(job: Job) -> Path:
@@ -307,7 +292,7 @@ class Result:
 def run_scenario(fault: str, variant: str, args: argparse.Namespace) -> Result:
     workdir = Path(tempfile.mkdtemp(prefix=f"training-recovery-bench-{variant}-{fault}-"))
     job = Job(variant, workdir)
-    rdzv_id = f"bench-{uuid.uuid4().hex[:8]}"
+    rdzv_id = job.rdzv_id
     nodes = NODES - 1 if fault == "scale-up" else NODES
     try:
         etcd_dir = workdir / "etcd"  # inside the scenario directory, so it goes with it
@@ -359,25 +344,10 @@ def run_scenario(fault: str, variant: str, args: argparse.Namespace) -> Result:
         )
     finally:
         job.stop()
-        settle_cleanup(workdir)
-        for node in range(NODES):
-            # a SIGKILLed agent leaves its node's snapshot folder on /dev/shm behind
-            shutil.rmtree(node_memory_dir(rdzv_id, f"node{node}"), ignore_errors=True)
         if args.keep_logs:
             logger.info("  kept logs in %s", workdir)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def settle_cleanup(workdir: Path, wait_s: float = 10.0) -> None:
-    """Job.stop checks for survivors at once, and SIGKILLed workers of torch take a moment to go on a loaded
-    machine: look again until `wait_s`, so that only a process that really outlived the cleanup is reported."""
-    deadline = time.monotonic() + wait_s
-    while survivors := processes_mentioning(str(workdir)):
-        if time.monotonic() > deadline:
-            logger.warning("  processes still alive %.0f s after cleanup: %s", wait_s, survivors)
-            return
-        time.sleep(0.2)
 
 
 def agents_note(job: Job) -> str:
@@ -441,14 +411,10 @@ def ratio(elastic: Result | None, baseline: Result | None) -> str:
     return f"{baseline.seconds / elastic.seconds:.1f}x"
 
 
-def _terminate_like_ctrl_c(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # so that SIGTERM, too, runs every scenario's cleanup
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
+    signal.signal(signal.SIGTERM, terminate_like_ctrl_c)
     results: list[Result] = []
     try:
         for fault in args.faults:
