@@ -46,6 +46,7 @@ from launcher.records import (
     NodeFailure,
     NodeRecord,
     RoundHeader,
+    StallReport,
 )
 from launcher.warm_workers import WarmPool
 from launcher.watch import RangeMirror
@@ -105,6 +106,7 @@ class RoundRun:
     drain_answered: int = 0  # the drain our answer is in etcd for
     failed: bool = False  # our workers failed in this round
     controller_checked: bool = False  # after our failure, we probed the controller's agent
+    stall_reported: bool = False  # our report that all our workers are stalled is in etcd
     refill_warm_at: float | None = None  # when to pre-start the next round's warm workers (monotonic)
 
 
@@ -282,6 +284,7 @@ class Agent:
             self._check_controller(Holder.decode(view.controller))
         if run.member is not None:
             self._follow_drain(run, view.drains.get(run.record.round))
+            self._follow_stall(run)
         rollcall = view.rollcalls.get(run.record.round)
         if (
             rollcall is not None
@@ -486,6 +489,25 @@ class Agent:
             run.drain_answered = request.number
             if answer.step is not None:
                 logger.info("round %d: workers drained at step %d", run.record.round, answer.step)
+
+    def _follow_stall(self, run: RoundRun) -> None:
+        """Tell the controller while all our workers are stalled, so it probes the members that are not."""
+        stall = run.workers.stall() if run.workers is not None and run.phase is Phase.RUNNING else None
+        if stall is not None and not run.stall_reported:
+            report = StallReport(seconds_silent=stall.seconds_silent, last_step=stall.last_step)
+            if self.store.report_stalled(run.record.round, run.revision, self.node_id, report):
+                run.stall_reported = True
+                logger.warning(
+                    "round %d: every worker has been silent for %.1fs after step %s, as if a peer stopped; "
+                    "asking the controller to probe the other members",
+                    run.record.round,
+                    stall.seconds_silent,
+                    stall.last_step,
+                )
+        elif stall is None and run.stall_reported and run.phase is Phase.RUNNING:
+            self.store.clear_stalled(run.record.round, run.revision, self.node_id)
+            run.stall_reported = False
+            logger.info("round %d: the workers make progress again", run.record.round)
 
     def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
         if self.run_ is not None and self.run_.workers is not None:

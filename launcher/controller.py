@@ -116,7 +116,9 @@ class Controller:
                 mirror.wait(version, max(timeout, 0.0))
                 stop.wait(min(_MAX_PAUSE_S, _PAUSE_PER_READ * read_cost))
                 continue
-            if isinstance(decision, ProbeMembers):
+            if isinstance(decision, ProbeMembers) and decision.stall:
+                clock = dataclasses.replace(clock, stall_probed_at=now)
+            elif isinstance(decision, ProbeMembers):
                 clock = dataclasses.replace(clock, probed=clock.probed | set(decision.members))
             try:
                 self._apply(decision, view)
@@ -250,7 +252,8 @@ class Controller:
             self.store.revoke(lease)  # fences the node: an agent alive after all finds its lease gone
 
     def _probe(self, decision: ProbeMembers, view: JobView) -> None:
-        """Probe the silent members at once; those that do not answer are lost now, and fenced."""
+        """Probe the silent (or, in a stall, not stalled) members at once; those that do not answer are lost
+        now, and fenced."""
         targets = list(decision.members.values())
         with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_PROBES, len(targets))) as pool:
             answers = pool.map(lambda r: probe(r.addr, r.probe_port, r.lease, self.settings.probe_timeout), targets)

@@ -17,12 +17,17 @@ through `launcher.protocol`. The rules, in the order they are tried:
    with one more restart, or the end of the job past `--max-restarts`. A member whose agent refuses or does not
    answer the probe is lost at once; one that never answers the roll call is dead or hung: its lease ends
    (rule 4) or, after `close_timeout`, it is evicted; either way, a loss.
-7. Every member reported success: the job finished.
-8. Members that did not start the round within `close_timeout` are evicted; nodes waiting outside a round
+7. A member reported its workers stalled (all silent for several of their step intervals, launcher.watchdog):
+   in a synchronous job that is what a stopped or frozen peer looks like, since nothing fails. Every member
+   that reported neither a stall nor an outcome is probed, at most once every `STALL_PROBE_EVERY_S` while a
+   stall lasts; one that does not answer is lost at once (rule 4 follows), and when all answer, nothing
+   happens: a stall is no failure (the watchdog judges hangs).
+8. Every member reported success: the job finished.
+9. Members that did not start the round within `close_timeout` are evicted; nodes waiting outside a round
    that has room form a scale-up round once MAX are present or `last_call_timeout` passed, and the round
    is drained (below).
 
-Drains (`drain_timeout` > 0): before a planned change (rules 5 and 8) the controller asks the round's workers to
+Drains (`drain_timeout` > 0): before a planned change (rules 5 and 9) the controller asks the round's workers to
 checkpoint at their next step boundary and wait there; the change goes ahead once every member answered (its
 workers committed, or it has none that drain) or `drain_timeout` passed, so the next round redoes no step. A
 drain whose change is off (the joiner went away) is withdrawn, and the workers train on.
@@ -31,7 +36,7 @@ Quarantine: a round's worker failure is charged to the nodes that caused it (`ch
 broken network paths its failures show, else the node of the earliest failure that was not a peer's
 consequence. A node charged in `quarantine_after` consecutive rounds it took part in sits out the
 following rounds for `quarantine_cooldown` seconds, unless that would leave fewer than MIN nodes; when the
-cooldown ends it is readmitted like any waiting node (rule 8). Strikes and quarantines travel in the round
+cooldown ends it is readmitted like any waiting node (rule 9). Strikes and quarantines travel in the round
 record, so a new controller knows them.
 """
 
@@ -45,6 +50,10 @@ from enum import Enum
 
 from launcher.job_view import JobView
 from launcher.records import DrainReport, Member, NodeRecord, RoundRecord, WorkerFailure
+
+# a stall lasts until the culprit is found or the workers beat again; probing every member that is not
+# stalled more often than this would only load the agents (each probe is one TCP connection)
+STALL_PROBE_EVERY_S = 1.0
 
 
 class RoundReason(str, Enum):
@@ -86,6 +95,7 @@ class Clock:
     rollcall_since: float | None = None
     leaving_since: float | None = None
     probed: frozenset[str] = frozenset()  # members of this round the controller probed (it adds them)
+    stall_probed_at: float | None = None  # when the controller last probed members because of a stall
     drain_since: float | None = None  # this round's drain was requested
 
 
@@ -147,6 +157,7 @@ class ProbeMembers:
     """Probe these silent members' agents; one that does not answer is lost at once (launcher.liveness)."""
 
     members: dict[str, NodeRecord]  # node -> its registration: address, probe port, incarnation
+    stall: bool = False  # because of a stall (rule 7), not of failed workers (rule 6)
 
 
 @dataclass(frozen=True)
@@ -430,6 +441,10 @@ def _running_round(view: JobView, round_: RoundRecord, clock: Clock, now: float,
             charged=charged_nodes(failures, members),
         )
 
+    probe = _probe_for_stall(view, clock, now, settings)
+    if probe is not None:
+        return probe
+
     if all(m.node in reports.done for m in members):
         return EndJob(True, f"job {settings.rdzv_id} finished")
 
@@ -466,7 +481,34 @@ def _running_round(view: JobView, round_: RoundRecord, clock: Clock, now: float,
     registered_out = [until for n, until in _quarantined(view, wall).items() if n in view.nodes]
     if registered_out:
         deadlines.append(min(registered_out) - clock.wall_offset)  # readmitted then, as a waiting node
+    stall_probed_at = clock.stall_probed_at
+    if stall_probed_at is not None and _stall_suspects(view, settings):
+        deadlines.append(stall_probed_at + STALL_PROBE_EVERY_S)  # probed again then, if the stall lasts
     return Wait(min(deadlines) if deadlines else None, "round running")
+
+
+def _stall_suspects(view: JobView, settings: Settings) -> dict[str, NodeRecord]:
+    """While some member's workers are stalled: the members that could be why (alive by their lease, reported
+    neither a stall nor an outcome, and answer probes), with their registrations. Empty: no stall, or no suspect."""
+    reports = view.current()
+    if not settings.probe_timeout or not any(node not in reports.done for node in reports.stalled):
+        return {}
+    quiet = (m for m in _members(view) if m.node not in reports.stalled and m.node not in reports.failed)
+    return {
+        m.node: view.nodes[m.node]
+        for m in quiet
+        if m.node not in reports.done and _alive(view, m) and view.nodes[m.node].probe_port
+    }
+
+
+def _probe_for_stall(view: JobView, clock: Clock, now: float, settings: Settings) -> ProbeMembers | None:
+    """Rule 7: probe the suspects of a stall, unless they were probed less than STALL_PROBE_EVERY_S ago."""
+    suspects = _stall_suspects(view, settings)
+    if not suspects:
+        return None
+    if clock.stall_probed_at is not None and now < clock.stall_probed_at + STALL_PROBE_EVERY_S:
+        return None
+    return ProbeMembers(suspects, stall=True)
 
 
 def _drain_answers(view: JobView) -> dict[str, DrainReport]:

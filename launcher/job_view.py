@@ -20,6 +20,7 @@ from launcher.records import (
     RollCall,
     RoundHeader,
     RoundRecord,
+    StallReport,
 )
 from launcher.watch import Entry
 
@@ -36,6 +37,7 @@ class RoundReports:
     alive: dict[str, str] = field(default_factory=dict)  # node -> the roll-call nonce it answered
     lost: dict[str, str] = field(default_factory=dict)  # node -> why
     drained: dict[str, DrainReport] = field(default_factory=dict)
+    stalled: dict[str, StallReport] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,7 +63,7 @@ class JobView:
         return self.reports.get(self.round.round, RoundReports()) if self.round else RoundReports()
 
 
-_ROUND_REPORT_KINDS = {"ack", "done", "failed", "alive", "lost", "drained"}
+_ROUND_REPORT_KINDS = {"ack", "done", "failed", "alive", "lost", "drained", "stalled"}
 # (full key, mod revision) of every malformed value warned about: once per process, however many parsers see it
 _warned: set[tuple[str, int]] = set()
 
@@ -154,6 +156,8 @@ class ViewParser:
                 reports.alive[node] = raw.decode()
             elif kind == "drained":
                 reports.drained[node] = DrainReport.loads(raw)
+            elif kind == "stalled":
+                reports.stalled[node] = self._load(key, entry, StallReport)
             else:
                 reports.lost[node] = raw.decode()
         else:

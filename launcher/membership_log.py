@@ -22,6 +22,7 @@ EventName = Literal[
     "round_started",
     "worker_failed",
     "worker_hung",
+    "workers_stalled",
     "restart",
     "job_finished",
     "job_failed",
@@ -53,8 +54,9 @@ class MembershipEvent(BaseModel):
     restart_count: int | None = None
     reason: str | None = None
     message: str | None = None
-    seconds_silent: float | None = None  # worker_hung: how long it had been silent when the watchdog acted
-    last_step: int | None = None  # worker_hung: the last step it reported
+    # worker_hung, workers_stalled: how long it had been (they had all been) silent when the watchdog acted
+    seconds_silent: float | None = None
+    last_step: int | None = None  # worker_hung, workers_stalled: the last step reported
     step: int | None = None  # drain_committed: the step the workers checkpointed before the change
     revision: int | None = None  # etcd create revision: the order of the log, filled in when read back
 

@@ -18,6 +18,7 @@ Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the mem
 | state/rounds/<round>/failed/<node>| NodeFailure    | agent       | a worker exited non-zero or hung     | round rev unchanged                     | controller, when the next round forms     |
 | state/rounds/<round>/alive/<node> | roll-call nonce| agent       | it saw the round's roll call         | round rev unchanged                     | controller, when the next round forms     |
 | state/rounds/<round>/drained/<node>| DrainReport   | agent       | its workers committed the drain's checkpoint | round rev unchanged             | controller, when the next round forms     |
+| state/rounds/<round>/stalled/<node>| StallReport   | agent       | all its workers silent for several step intervals | round rev unchanged        | the agent, when they beat again; controller, when the next round forms |
 | state/rounds/<round>/lost/<node>  | reason         | controller  | a member's lease ended, or it was evicted | holds controller; marker absent    | controller, when the next round forms     |
 | events/<time_ns>-<author>-<seq>   | MembershipEvent| both        | in the same transaction as the change | that change's guard                    | controller keeps the newest `max_events`; purge |
 
@@ -49,6 +50,7 @@ from launcher.records import (
     RollCall,
     RoundHeader,
     RoundRecord,
+    StallReport,
     bucket_of,
 )
 
@@ -309,6 +311,31 @@ class JobStore:
     def report_drained(self, round_: int, round_revision: int, node: str, report: DrainReport) -> bool:
         key = self.keys.report(round_, "drained", node)
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, report.dumps())], key)
+
+    def report_stalled(self, round_: int, round_revision: int, node: str, report: StallReport) -> bool:
+        """All our workers are silent past their stall allowance: the report and a workers_stalled event."""
+        key = self.keys.report(round_, "stalled", node)
+        event = new_event(
+            "workers_stalled",
+            round=round_,
+            node=node,
+            seconds_silent=round(report.seconds_silent, 3),
+            last_step=report.last_step,
+        )
+        _, event_put = self._event(event, node)
+        return self._commit(
+            [self._round_unchanged(round_revision)], [self._tx.put(key, report.dumps()), event_put], key
+        )
+
+    def clear_stalled(self, round_: int, round_revision: int, node: str) -> None:
+        """Our workers beat again (or exited): the stall is over."""
+        etcd_client.call_with_retry(
+            self.client.transaction,
+            compare=[self._round_unchanged(round_revision)],
+            success=[self._tx.delete(self.keys.report(round_, "stalled", node))],
+            failure=[],
+            deadline_s=5,
+        )
 
     # -- the controller ------------------------------------------------------------------------------------
     def form_round(

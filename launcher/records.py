@@ -266,6 +266,15 @@ class NodeFailure(Record):
     failures: list[WorkerFailure]
 
 
+class StallReport(Record):
+    """An agent's notice that every one of its workers has been silent for several of its own step intervals
+    (launcher.watchdog.stall_of): peers block in a collective when a node stops, so nothing fails to tell the
+    controller; it probes the members that are not stalled (launcher.decisions, rule 7)."""
+
+    seconds_silent: float
+    last_step: int | None = None
+
+
 class LeaveRecord(Record):
     """An agent's notice that it is leaving: written before its workers stop, kept until the controller handled it."""
 

@@ -18,6 +18,13 @@ The rule, as pure functions (`allowance`, `WorkerWatch.verdict`):
 - during a `long_operation` the allowance is the larger of the normal one and the operation's own `timeout=`
   (default `--watchdog-long-op`, 30 minutes; `math.inf`: unlimited).
 
+Stalls, a hint for the controller rather than a verdict: when every worker of the node heartbeated at least
+`STALL_MIN_INTERVALS` + 1 times in this round, none is inside a long operation, and each has been silent for more
+than `STALL_FACTOR` x its slowest recent step interval (at least `STALL_MIN_S`), the node is stalled (`stall_of`).
+In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next collective and
+nothing fails. The agent reports it (`launcher.decisions`, rule 7) and the controller probes the members that
+are not stalled; a stall costs a probe, never a restart.
+
 A hung worker gets the signal its library registered with faulthandler (every thread's Python stack to its
 stderr), SIGCONT (a stopped process handles no signal), and `DUMP_GRACE_S` later SIGKILL, then its process group
 SIGKILL (at once when the worker leads it; `DUMP_GRACE_S` later when a supervisor runs it and takes its tree down).
@@ -57,6 +64,11 @@ DUMP_GRACE_S = 1.0  # from the stack-dump signal to SIGKILL: time for faulthandl
 AUTO_FACTOR = 10.0
 AUTO_WINDOW = channel.WINDOW
 STARTUP_FACTOR = 5.0
+# a stall is reported early (it costs the controller a probe of the members that are not stalled) but not on
+# the jitter of a healthy job: a few times the slowest step of the window, and never below half a second
+STALL_FACTOR = 3.0
+STALL_MIN_S = 0.5
+STALL_MIN_INTERVALS = 2
 
 
 def parse_timeout(spec: str | float) -> float | Literal["auto", "off"]:
@@ -130,6 +142,38 @@ def allowance(policy: Policy, intervals: Sequence[float], long_op: channel.LongO
         return normal
     own = long_op.timeout if long_op.timeout is not None else policy.long_op
     return max(normal, own)
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Every worker of the node silent past its stall allowance."""
+
+    seconds_silent: float  # the shortest silence among them: how long the node has been stalled at least
+    last_step: int | None
+
+
+def stall_allowance(intervals: Sequence[float], window: int = AUTO_WINDOW) -> float | None:
+    """Seconds of silence after which a worker with these recent step intervals counts as stalled; None while
+    too few steps were seen to know its pace."""
+    recent = intervals[-window:]
+    if len(recent) < STALL_MIN_INTERVALS:
+        return None
+    return max(STALL_MIN_S, STALL_FACTOR * max(recent))
+
+
+def stall_of(workers: Sequence[tuple[float, channel.Snapshot | None]]) -> Stall | None:
+    """A Stall when every one of a node's workers, given as (seconds silent, its channel as last read, None if
+    unread since its last sign of life), is silent past its stall allowance outside any long operation."""
+    if not workers:
+        return None
+    for silent, snapshot in workers:
+        if snapshot is None or snapshot.long_op is not None:
+            return None
+        allowed = stall_allowance(snapshot.intervals)
+        if allowed is None or silent <= allowed:
+            return None
+    steps = [snapshot.last_step for _, snapshot in workers if snapshot is not None and snapshot.last_step is not None]
+    return Stall(seconds_silent=min(silent for silent, _ in workers), last_step=max(steps, default=None))
 
 
 @dataclass(frozen=True)
@@ -251,7 +295,7 @@ class WorkerWatch:
     """What the agent has seen of one worker's channel, on its own clock (no cross-process time is compared).
 
     Every poll looks at `seq` only (it changes on every heartbeat and long-operation begin or end); the whole
-    snapshot is read only once the silence exceeds the least allowance there can be (`Policy.floor`).
+    snapshot is read once per silence, when it exceeds the least allowance or stall allowance there can be.
     """
 
     seq: int | None = None
@@ -264,6 +308,10 @@ class WorkerWatch:
 
     def silent_for(self, now: float) -> float:
         return 0.0 if self.active_at is None else now - self.active_at
+
+    def current(self) -> channel.Snapshot | None:
+        """The snapshot read since the last change of `seq` (None: none read since)."""
+        return self.snapshot if self.snapshot is not None and self.snapshot.seq == self.seq else None
 
     def verdict(self, policy: Policy, snapshot: channel.Snapshot | None, now: float) -> Hang | None:
         """A Hang when the worker heartbeated before and has been silent longer than its allowance."""
@@ -312,6 +360,7 @@ class Watchdog:
         self.clock = clock
         self.started_at = clock()
         self.workers = [_Worker(path) for path in paths]
+        self.stall: Stall | None = None  # as of the last check
         for worker in self.workers:  # with the watchdog off too: the channel also carries drains
             worker.path.parent.mkdir(parents=True, exist_ok=True)
             channel.create_channel(worker.path)
@@ -325,6 +374,7 @@ class Watchdog:
 
     def check(self, processes: list[subprocess.Popen], first_rank: int = 0) -> None:
         """Read every running worker's channel; dump and kill the hung ones (never blocks)."""
+        self.stall = None
         if self.policy is None:
             return
         now = self.clock()
@@ -338,10 +388,11 @@ class Watchdog:
                     self._note_start(worker, now)
                 worker.watch.observe(seq, now)
                 hang = None
-                if worker.watch.silent_for(now) > self.policy.floor:
-                    cached = worker.watch.snapshot  # nothing changed since it was read: no need to read it again
-                    snapshot = cached if cached is not None and cached.seq == worker.watch.seq else None
-                    hang = worker.watch.verdict(self.policy, snapshot or channel.read(worker.view), now)
+                silent = worker.watch.silent_for(now)
+                if silent > min(self.policy.floor, STALL_MIN_S) and worker.watch.current() is None:
+                    worker.watch.snapshot = channel.read(worker.view)  # once per silence: nothing changed since
+                if silent > self.policy.floor:
+                    hang = worker.watch.verdict(self.policy, worker.watch.current(), now)
                 if hang is not None:
                     stalled = failure_evidence.stalled_peers(self._owner(worker, process))
                     hang = dataclasses.replace(hang, stalled_peers=tuple(stalled))
@@ -360,6 +411,9 @@ class Watchdog:
             if worker.group_kill_at is not None and now >= worker.group_kill_at:
                 worker.group_kill_at = None
                 signal_group(process, signal.SIGKILL)
+        running = all(process.poll() is None for process in processes) and len(processes) == len(self.workers)
+        if running and not any(worker.hang for worker in self.workers):
+            self.stall = stall_of([(w.watch.silent_for(now), w.watch.current()) for w in self.workers])
 
     def request_drain(self, number: int) -> None:
         """Ask every worker for drain `number` (0 withdraws it) through its channel."""

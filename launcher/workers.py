@@ -23,7 +23,7 @@ from launcher.network import gloo_interface_env
 from launcher.process_tree import stop_group, supervised_command
 from launcher.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
 from launcher.warm_workers import WarmPool, WarmWorker
-from launcher.watchdog import HEARTBEAT_FILE, Policy, StartupHistory, Watchdog, read_dump
+from launcher.watchdog import HEARTBEAT_FILE, Policy, Stall, StartupHistory, Watchdog, read_dump
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +308,10 @@ class WorkerGroup:
         if any(state.done != number for state in draining):
             return None
         return DrainReport(number=number, step=max((s.step for s in draining if s.step is not None), default=None))
+
+    def stall(self) -> Stall | None:
+        """Every worker silent for several of its step intervals, as of the last poll (launcher.watchdog)."""
+        return self.watchdog.stall
 
     def reporting_hang(self) -> bool:
         """A worker found hung is being dumped and killed; its failure follows within seconds."""

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from launcher.decisions import (
+    STALL_PROBE_EVERY_S,
     CallRollCall,
     Clock,
     EndJob,
@@ -35,6 +36,7 @@ from launcher.records import (
     NodeRecord,
     RollCall,
     RoundRecord,
+    StallReport,
     WorkerFailure,
 )
 
@@ -227,6 +229,68 @@ def test_a_silent_member_is_probed_once_when_probes_are_on_and_its_agent_has_a_p
     _, clock = settle(job, T0, settings=probing)
     clock = dataclasses.replace(clock, probed=frozenset({"b"}))  # the controller probed it; it answered
     assert isinstance(decide(job, clock, T0 + 1, probing), Wait), "probed once per round"
+
+
+PROBING = dataclasses.replace(SETTINGS, probe_timeout=0.5)
+STALL = StallReport(seconds_silent=0.6, last_step=41)
+
+
+def stalled_round(**reports) -> JobView:
+    """A round of a, b, c (each with a probe port), all started, with `reports` about it."""
+    job = view("a", "b", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"}, **reports)
+    for name, record in job.nodes.items():
+        job.nodes[name] = record.model_copy(update={"probe_port": 4100})
+    return job
+
+
+@pytest.mark.parametrize(
+    "reports, probed",
+    [
+        ({}, None),  # nobody stalled: nothing to probe
+        (dict(stalled={"a": STALL}), {"b", "c"}),  # a's workers wait on someone: every other member is probed
+        (dict(stalled={"a": STALL, "c": STALL}), {"b"}),  # stalled members are victims, not suspects
+        (dict(stalled={"a": STALL, "b": STALL, "c": STALL}), None),  # everyone waits (a hang): the watchdog's job
+        (dict(stalled={"a": STALL}, done={"b"}), {"c"}),  # a member that finished is no suspect
+        (dict(stalled={"a": STALL}, done={"a"}), None),  # a stall of workers that finished since is over
+    ],
+)
+def test_a_stall_probes_the_members_that_are_not_stalled(reports, probed):
+    decision = at(stalled_round(**reports), T0, T0, PROBING)
+    if probed is None:
+        assert not isinstance(decision, ProbeMembers)
+    else:
+        assert isinstance(decision, ProbeMembers) and decision.stall
+        assert set(decision.members) == probed
+
+
+def test_a_stall_is_probed_again_while_it_lasts_and_never_without_probes_or_ports():
+    job = stalled_round(stalled={"a": STALL})
+    _, clock = settle(job, T0, settings=PROBING)
+    clock = dataclasses.replace(clock, stall_probed_at=T0)  # the controller probed b and c; both answered
+    assert decide(job, clock, T0 + 0.5, PROBING) == Wait(T0 + STALL_PROBE_EVERY_S, "round running")
+    assert isinstance(decide(job, clock, T0 + STALL_PROBE_EVERY_S, PROBING), ProbeMembers), "still stalled: again"
+    assert isinstance(at(job, T0, T0), Wait), "probes are off"
+    job.nodes["b"] = job.nodes["b"].model_copy(update={"probe_port": 0})
+    assert set(at(job, T0, T0, PROBING).members) == {"c"}, "b registered no probe port (an older agent)"
+
+
+def test_a_stall_never_costs_a_restart_and_a_failure_goes_by_the_failure_rules():
+    job = stalled_round(stalled={"a": STALL})
+    _, clock = settle(job, T0, settings=PROBING)
+    clock = dataclasses.replace(clock, stall_probed_at=T0)
+    for now in (T0 + 0.5, T0 + 600):  # however long it lasts: no round, no eviction, no restart
+        assert not isinstance(decide(job, clock, now, PROBING), FormRound | MarkLost | EndJob)
+    job.reports[0].failed["a"] = failure("a")
+    assert decide(job, clock, T0 + 1, PROBING) == CallRollCall(0)
+
+
+def test_a_stall_suspect_that_fails_its_probe_is_lost_and_the_round_forms_without_it():
+    job = stalled_round(stalled={"a": STALL, "c": STALL})
+    del job.nodes["b"]  # the controller marked b lost and revoked its lease
+    job.reports[0].lost["b"] = "no answer to a liveness probe within probe_timeout=0.5s"
+    decision = at(job, T0, T0, PROBING)
+    assert (type(decision), decision.reason, decision.restart_count) == (FormRound, RoundReason.NODE_LOST, 0)
+    assert [m.node for m in decision.members] == ["a", "c"]
 
 
 def test_a_silent_member_that_answers_the_roll_call_makes_it_a_worker_failure():

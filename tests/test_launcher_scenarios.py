@@ -146,21 +146,40 @@ def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
 
 
 def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster):
+    """A stopped host: its peers' workers block in all_reduce and nothing fails. Their agents report the stall, the
+    controller probes the member that is not stalled, it does not answer, and it is lost long before its lease
+    (10 s here) would end."""
     probe = cluster.probe(60, 0.1)
-    agents = [cluster.start(n, probe, nnodes="2:3") for n in ("a", "b", "c")]
+    long_lease = FAST_RDZV.replace("keep_alive_interval=0.5", "keep_alive_interval=2").replace(
+        "keep_alive_max_attempt=3", "keep_alive_max_attempt=5"
+    )
+    agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=long_lease) for n in ("a", "b", "c")}
     cluster.wait_for_world(6, timeout=90)
-    victim = agents[2]
+    controller = cluster.controller()
+    victim_id = next(n for n in reversed(agents) if n != controller)  # a stopped controller waits for its lease
+    victim = agents.pop(victim_id)
     hung = [victim.pid, *children(victim.pid)]
 
     stopped_at = time.time()
     for pid in hung:  # a hung host: its agent and its workers stop answering, survivors block in all_reduce
         os.kill(pid, signal.SIGSTOP)
-    cluster.wait_for_world(4, timeout=60, after=stopped_at)
-    for agent in agents[:2]:
+    again = cluster.wait_for_world(4, timeout=60, after=stopped_at)
+    for agent in agents.values():
         assert agent.wait(timeout=90) == 0, cluster.dump()
 
-    assert [e["node"] for e in cluster.events("node_lost")] == ["c"]
+    lost = cluster.events("node_lost")
+    stalls = [e for e in cluster.events("workers_stalled") if e["time"] > stopped_at]
+    print(
+        f"\nSIGSTOP of a member: first workers_stalled {stalls[0]['time'] - stopped_at:.2f}s after the stop, "
+        f"node_lost {lost[0]['time'] - stopped_at:.2f}s, first collective at world 4 {again['time'] - stopped_at:.2f}s"
+    )
+    assert [(e["node"], e["reason"]) for e in lost] == [
+        (victim_id, "no answer to a liveness probe within probe_timeout=0.5s")
+    ]
+    assert {e["node"] for e in stalls} <= set(agents) and stalls[0]["time"] < lost[0]["time"]
+    assert lost[0]["time"] - stopped_at < 6, "found by the stall's probe, not when its 10 s lease ended"
     assert cluster.events("round_started")[-1]["world_size"] == 4
+    assert not cluster.events("restart"), "a stall costs no restart"
     assert cluster.events("job_finished")
 
 

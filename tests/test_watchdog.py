@@ -22,14 +22,19 @@ from launcher.process_tree import child_pids
 from launcher.protocol import JobStore
 from launcher.records import MasterRecord, Member, NodeFailure, RoundRecord, WorkerFailure
 from launcher.watchdog import (
+    STALL_MIN_S,
     Hang,
     Policy,
+    Stall,
     StartupHistory,
+    Watchdog,
     WorkerWatch,
     allowance,
     last_dump,
     main_thread_frame,
     parse_timeout,
+    stall_allowance,
+    stall_of,
 )
 from launcher.workers import WorkerGroup, WorkerOutcome, worker_env
 
@@ -74,6 +79,77 @@ def snapshot(seq: int, beats: int, intervals=(), step=None, long_op=None) -> cha
     return channel.Snapshot(
         pid=1, dump_signal=0, seq=seq, beats=beats, last_step=step, intervals=tuple(intervals), long_op=long_op
     )
+
+
+@pytest.mark.timeout(10)
+def test_a_stall_is_a_few_slowest_steps_of_silence_and_never_under_half_a_second():
+    assert stall_allowance([]) is None and stall_allowance([0.2]) is None, "too few steps to know the pace"
+    assert stall_allowance([0.1, 0.1]) == STALL_MIN_S
+    assert stall_allowance([0.1, 0.4, 0.2]) == pytest.approx(1.2)
+    assert stall_allowance([30.0] + [0.1] * 100) == STALL_MIN_S, "the window of the last 100 steps"
+
+
+@pytest.mark.parametrize(
+    "workers, stalled",
+    [
+        ([], False),  # no workers
+        ([(0.7, snapshot(9, 5, [0.1] * 4, step=4))], True),
+        ([(0.7, snapshot(9, 5, [0.1] * 4, step=4)), (0.4, snapshot(9, 5, [0.1] * 4, step=4))], False),  # one beats
+        ([(0.7, snapshot(9, 5, [0.1] * 4, step=4)), (9.0, None)], False),  # one changed since its read: alive
+        ([(0.7, snapshot(9, 5, [0.1, 0.3], step=4))], False),  # a slow step in the window: 0.9 s allowed
+        ([(0.7, snapshot(9, 2, [0.1], step=1))], False),  # too few steps to know the pace
+        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=channel.LongOp("checkpoint save", None)))], False),
+    ],
+)
+@pytest.mark.timeout(10)
+def test_a_node_is_stalled_only_when_every_worker_is_silent_past_its_stall_allowance(workers, stalled):
+    assert (stall_of(workers) is not None) is stalled
+
+
+@pytest.mark.timeout(10)
+def test_a_stall_counts_from_the_worker_silent_the_shortest_and_names_the_latest_step():
+    workers = [(0.9, snapshot(9, 5, [0.1] * 4, step=4)), (0.6, snapshot(7, 6, [0.1] * 5, step=5))]
+    assert stall_of(workers) == Stall(seconds_silent=0.6, last_step=5)
+
+
+class RunningProcess:
+    """Stands in for a worker's Popen that has not exited."""
+
+    pid = os.getpid()
+
+    def poll(self) -> None:
+        return None
+
+
+@pytest.mark.timeout(10)
+def test_the_watchdog_finds_its_workers_stalled_once_they_stop_beating(tmp_path):
+    clock = FakeClock()
+    paths = [tmp_path / str(rank) / "heartbeat" for rank in range(2)]
+    watchdog = Watchdog(AUTO, paths, clock=clock)
+    writers = [channel.open_channel(str(path), clock=clock, install_hooks=False) for path in paths]
+    running = [RunningProcess(), RunningProcess()]
+    try:
+        for step in range(4):  # 0.2 s steps
+            clock.now += 0.2
+            for writer in writers:
+                writer.beat(step)
+            watchdog.check(running)
+        clock.now += 0.55
+        watchdog.check(running)
+        assert watchdog.stall is None, "0.55 s of silence, under 3 x the 0.2 s steps"
+        clock.now += 0.1
+        watchdog.check(running)
+        assert watchdog.stall == Stall(seconds_silent=pytest.approx(0.65), last_step=3)
+        writers[1].beat(4)
+        watchdog.check(running)
+        assert watchdog.stall is None, "one worker beat again"
+        writers[1].begin("checkpoint save", None)
+        clock.now += 5.0
+        watchdog.check(running)
+        assert watchdog.stall is None, "a worker inside a long operation is not stalled"
+    finally:
+        for writer in writers:
+            writer.close()
 
 
 @pytest.mark.timeout(10)
