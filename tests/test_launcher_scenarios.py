@@ -155,6 +155,11 @@ def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster):
     )
     agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=long_lease) for n in ("a", "b", "c")}
     cluster.wait_for_world(6, timeout=90)
+    cluster.wait_for(  # a stall is judged against the workers' own pace: they need a few steps to show it
+        lambda: len({c["rank"] for c in cluster.collectives() if c["world_size"] == 6 and c["step"] >= 4}) == 6,
+        30,
+        "every rank to take 5 steps",
+    )
     controller = cluster.controller()
     victim_id = next(n for n in reversed(agents) if n != controller)  # a stopped controller waits for its lease
     victim = agents.pop(victim_id)
