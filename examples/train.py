@@ -303,12 +303,14 @@ def append_sample_log(path: Path, record: dict) -> None:
 
 @record  # an uncaught exception lands in TORCHELASTIC_ERROR_FILE: the launcher's failure summary shows it
 def main(config: TrainConfig) -> None:
+    began = time.perf_counter()
     try:
         placement = placement_here(config.device, config.backend)
     except PlacementError as error:
         sys.exit(f"train.py: {error}")
     device = placement.device
     dist.init_process_group(placement.backend, device_id=device if device.type == "cuda" else None)
+    grouped = time.perf_counter()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     round_number = int(os.environ.get("ELASTIC_ROUND", "0"))
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
@@ -333,8 +335,10 @@ def main(config: TrainConfig) -> None:
         manager = CheckpointManager(
             config.ckpt_dir, keep=3, async_save=True, every=config.ckpt_every, memory_every=config.memory_every
         )
+    built = time.perf_counter()
     with long_operation("checkpoint load"):  # may take long: elastic-run's watchdog allows it more time
         start = (manager.load_latest(state) if manager else None) or 0
+    loaded = time.perf_counter()
     if config.stop_at is not None and start >= config.stop_at:
         logger.info("checkpoint of step %d is committed, at or past --stop-at %d: nothing to do", start, config.stop_at)
         finish(manager)
@@ -342,7 +346,7 @@ def main(config: TrainConfig) -> None:
     if rank == 0:
         logger.info(
             "round %d: %d ranks, %d sequences of %d characters, global batch %d, forward passes per step: %d, "
-            "from step %d",
+            "from step %d; started in %.2fs (process group %.2fs, model %.2fs, checkpoint load %.2fs)",
             round_number,
             world_size,
             len(dataset),
@@ -350,6 +354,10 @@ def main(config: TrainConfig) -> None:
             config.global_batch,
             len(sampler.step_plan()),
             start,
+            loaded - began,
+            grouped - began,
+            built - grouped,
+            loaded - built,
         )
 
     seed = sampler.config.seed  # a resumed run keeps the checkpointed seed, whatever --seed says

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ from launcher.records import (
 )
 from launcher.warm_workers import WarmPool
 from launcher.watch import RangeMirror
-from launcher.watchdog import StartupHistory
+from launcher.watchdog import Stall, StartupHistory
 from launcher.workers import WorkerGroup, WorkerOutcome, node_worker_env
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class RoundRun:
     failed: bool = False  # our workers failed in this round
     controller_checked: bool = False  # after our failure, we probed the controller's agent
     stall_reported: bool = False  # our report that all our workers are stalled is in etcd
+    stall_write: Future | None = None  # the write that reports or clears it, while etcd has not answered
     refill_warm_at: float | None = None  # when to pre-start the next round's warm workers (monotonic)
 
 
@@ -144,6 +146,9 @@ class Agent:
         self._stop_controller = threading.Event()
         self._claim_at: float | None = None
         self._fenced = False  # our workers were killed because etcd stopped confirming our lease
+        # stall reports are written from here: a node cut off from etcd stalls too, and its main thread must
+        # go on watching its lease (to fence itself) rather than wait on a write that cannot land
+        self._stall_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stall-report")
         self._etcd_down_since: float | None = None
         self._etcd_warned_at = 0.0
 
@@ -172,6 +177,7 @@ class Agent:
             if self._keeper is not None:
                 self._keeper.stop()
             self.liveness.stop()
+            self._stall_writer.shutdown(wait=False, cancel_futures=True)
             self.mirror.close()
             node_memory.remove(self.memory_dir)
             self._sync_log()
@@ -492,22 +498,34 @@ class Agent:
 
     def _follow_stall(self, run: RoundRun) -> None:
         """Tell the controller while all our workers are stalled, so it probes the members that are not."""
+        if run.stall_write is not None:
+            if not run.stall_write.done():
+                return
+            failed = run.stall_write.exception()
+            run.stall_write = None
+            if failed is None:
+                run.stall_reported = not run.stall_reported
+            else:
+                logger.debug("stall report not written (tried again at the next poll): %s", failed)
         stall = run.workers.stall() if run.workers is not None and run.phase is Phase.RUNNING else None
-        if stall is not None and not run.stall_reported:
-            report = StallReport(seconds_silent=stall.seconds_silent, last_step=stall.last_step)
-            if self.store.report_stalled(run.record.round, run.revision, self.node_id, report):
-                run.stall_reported = True
-                logger.warning(
-                    "round %d: every worker has been silent for %.1fs after step %s, as if a peer stopped; "
-                    "asking the controller to probe the other members",
-                    run.record.round,
-                    stall.seconds_silent,
-                    stall.last_step,
-                )
-        elif stall is None and run.stall_reported and run.phase is Phase.RUNNING:
-            self.store.clear_stalled(run.record.round, run.revision, self.node_id)
-            run.stall_reported = False
-            logger.info("round %d: the workers make progress again", run.record.round)
+        if (stall is not None) != run.stall_reported and (stall is not None or run.phase is Phase.RUNNING):
+            run.stall_write = self._stall_writer.submit(self._write_stall, run.record.round, run.revision, stall)
+
+    def _write_stall(self, round_: int, revision: int, stall: Stall | None) -> None:
+        """Report `stall` (None: clear our report); on the stall-report thread."""
+        if stall is None:
+            self.store.clear_stalled(round_, revision, self.node_id)
+            logger.info("round %d: the workers make progress again", round_)
+            return
+        report = StallReport(seconds_silent=stall.seconds_silent, last_step=stall.last_step)
+        if self.store.report_stalled(round_, revision, self.node_id, report):
+            logger.warning(
+                "round %d: every worker has been silent for %.1fs after step %s, as if a peer stopped; "
+                "asked the controller to probe the other members",
+                round_,
+                stall.seconds_silent,
+                stall.last_step,
+            )
 
     def _stop_workers(self, signum: int = signal.SIGTERM) -> None:
         if self.run_ is not None and self.run_.workers is not None:
