@@ -20,7 +20,8 @@ The rule, as pure functions (`allowance`, `WorkerWatch.verdict`):
 
 Stalls, a hint for the controller rather than a verdict: when every worker of the node heartbeated at least
 `STALL_MIN_INTERVALS` + 1 times in this round, none is inside a long operation, and each has been silent for more
-than `STALL_FACTOR` x its slowest recent step interval (at least `STALL_MIN_S`), the node is stalled (`stall_of`).
+than `STALL_FACTOR` x a slow recent step interval (the 90th percentile of the window; at least `STALL_MIN_S`),
+the node is stalled (`stall_of`).
 In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next collective and
 nothing fails. The agent reports it (`launcher.decisions`, rule 7) and the controller probes the members that
 are not stalled; a stall costs a probe, never a restart.
@@ -65,8 +66,11 @@ AUTO_FACTOR = 10.0
 AUTO_WINDOW = channel.WINDOW
 STARTUP_FACTOR = 5.0
 # a stall is reported early (it costs the controller a probe of the members that are not stalled) but not on
-# the jitter of a healthy job: a few times the slowest step of the window, and never below half a second
+# the jitter of a healthy job: a few times a slow step of the window, and never below half a second. Slow, not
+# the slowest: one step slowed by a loaded host would hold the allowance above the lease for 100 steps; a slow
+# step that comes every few steps (an evaluation) is above the quantile and is allowed for
 STALL_FACTOR = 3.0
+STALL_QUANTILE = 0.9
 STALL_MIN_S = 0.5
 STALL_MIN_INTERVALS = 2
 
@@ -155,10 +159,11 @@ class Stall:
 def stall_allowance(intervals: Sequence[float], window: int = AUTO_WINDOW) -> float | None:
     """Seconds of silence after which a worker with these recent step intervals counts as stalled; None while
     too few steps were seen to know its pace."""
-    recent = intervals[-window:]
+    recent = sorted(intervals[-window:])
     if len(recent) < STALL_MIN_INTERVALS:
         return None
-    return max(STALL_MIN_S, STALL_FACTOR * max(recent))
+    slow = recent[math.ceil(STALL_QUANTILE * len(recent)) - 1]  # nearest rank
+    return max(STALL_MIN_S, STALL_FACTOR * slow)
 
 
 def stall_of(workers: Sequence[tuple[float, channel.Snapshot | None]]) -> Stall | None:

@@ -82,11 +82,15 @@ def snapshot(seq: int, beats: int, intervals=(), step=None, long_op=None) -> cha
 
 
 @pytest.mark.timeout(10)
-def test_a_stall_is_a_few_slowest_steps_of_silence_and_never_under_half_a_second():
+def test_a_stall_is_a_few_slow_steps_of_silence_and_never_under_half_a_second():
     assert stall_allowance([]) is None and stall_allowance([0.2]) is None, "too few steps to know the pace"
     assert stall_allowance([0.1, 0.1]) == STALL_MIN_S
-    assert stall_allowance([0.1, 0.4, 0.2]) == pytest.approx(1.2)
+    assert stall_allowance([0.1, 0.4, 0.2]) == pytest.approx(1.2), "a few steps: the slowest"
     assert stall_allowance([30.0] + [0.1] * 100) == STALL_MIN_S, "the window of the last 100 steps"
+    # a host that was loaded for one step or two does not hold the allowance above the lease
+    assert stall_allowance([0.2] * 20 + [1.1, 0.7]) == pytest.approx(0.6)
+    # an evaluation every 5 steps is part of the pace: allowed for, not reported
+    assert stall_allowance(([0.2] * 4 + [2.0]) * 20) == pytest.approx(6.0)
 
 
 @pytest.mark.parametrize(
