@@ -23,9 +23,10 @@ machine:
        preempt   SIGTERM its agent (a preemption notice: the workers drain, then the agent leaves);
        scale-up  start the 3rd agent while 2 train;
   4. measure the seconds from the fault to the first step completed by every rank of a round after the fault's
-     round (from the `time` each rank writes into the sample log), that round's world size, and the steps
-     redone: those logged in an earlier round at or past the step the new round resumed from, which it trains
-     again.
+     round (from the `time` each rank writes into the sample log), how long training paused (from the last
+     step completed before that round to its first: for a scale-up, the cost of the change), that round's
+     world size, and the steps redone: those logged in an earlier round at or past the step the new round
+     resumed from, which it trains again.
 
 Both configurations run in the same invocation, one scenario after the other, so that their ratio means
 something on a machine whose load changes from minute to minute. Every figure printed is measured in this run.
@@ -284,6 +285,7 @@ class Result:
     fault: str
     variant: str
     seconds: float | None
+    paused: float | None = None  # from the last step before the new round to its first: how long nothing trained
     redone: int | None = None
     world_size: int | None = None
     note: str = ""
@@ -331,10 +333,12 @@ def run_scenario(fault: str, variant: str, args: argparse.Namespace) -> Result:
         step_at_fault = max(before, default=trained.step)
         # detection and rendezvous up to here, the workers' start-up, checkpoint load and first step after it
         started = next((e for e in events if e["event"] == "round_started" and e.get("round") == first.round), None)
+        last_before = max(s.time for s in completed_steps(log.collectives) if s.round < first.round)
         return Result(
             fault,
             variant,
             first.time - fault_time,
+            first.time - last_before,
             len(redone),
             first.world_size,
             f"fault at step {step_at_fault} (round {round_at_fault}); round {first.round} "
@@ -368,9 +372,9 @@ def agents_note(job: Job) -> str:
 
 def print_report(results: list[Result], args: argparse.Namespace) -> None:
     by_key = {(r.fault, r.variant): r for r in results}
-    header = ["fault", *(VARIANT_NAMES[v] + ": s / redone / world" for v in args.variants)]
+    header = ["fault", *(VARIANT_NAMES[v] + ": s / paused / redone / world" for v in args.variants)]
     if len(args.variants) > 1:
-        header.append("baseline / elastic-run")
+        header.append("paused: baseline / elastic-run")
     rows = [header]
     for fault in args.faults:
         found = [by_key.get((fault, variant)) for variant in args.variants]
@@ -402,13 +406,13 @@ def cell(result: Result | None, deadline: float) -> str:
         return "-"
     if result.seconds is None:
         return f"none in {deadline:.0f} s"
-    return f"{result.seconds:.2f} s / {result.redone} / {result.world_size}"
+    return f"{result.seconds:.2f} s / {result.paused:.2f} s / {result.redone} / {result.world_size}"
 
 
 def ratio(elastic: Result | None, baseline: Result | None) -> str:
-    if elastic is None or baseline is None or elastic.seconds is None or baseline.seconds is None:
+    if elastic is None or baseline is None or elastic.paused is None or baseline.paused is None:
         return "-"
-    return f"{baseline.seconds / elastic.seconds:.1f}x"
+    return f"{baseline.paused / elastic.paused:.1f}x"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,7 +49,7 @@ from launcher.records import (
     RoundHeader,
     StallReport,
 )
-from launcher.warm_workers import WarmPool
+from launcher.warm_workers import JOIN_WAIT_S, WarmPool
 from launcher.watch import RangeMirror
 from launcher.watchdog import Stall, StartupHistory
 from launcher.workers import WorkerGroup, WorkerOutcome, node_worker_env
@@ -167,6 +167,7 @@ class Agent:
         try:
             if self.warm is not None:
                 self.warm.fill()  # their imports overlap the rendezvous
+                self._wait_for_warm_workers_if_the_job_runs()
             self._join()
             return self._loop()
         finally:
@@ -206,6 +207,21 @@ class Agent:
 
     def _on_signal(self, signum: int, frame) -> None:
         self.stop(signum)
+
+    def _wait_for_warm_workers_if_the_job_runs(self) -> None:
+        """A job that trains already would stand idle in the round that takes us in until our interpreters
+        imported torch: join it once they did (launcher.warm_workers)."""
+        assert self.warm is not None, "only with warm workers"
+        entries, revision, _ = self.mirror.snapshot()
+        if self._parser.parse(entries, revision).round_header is None:
+            return
+        started = time.monotonic()
+        ready = self.warm.wait_ready(JOIN_WAIT_S, lambda: self.signal_received is not None)
+        logger.info(
+            "the job is training: joining once this node's warm workers imported torch (%s after %.1fs)",
+            "ready" if ready else "not all ready",
+            time.monotonic() - started,
+        )
 
     def _join(self) -> None:
         """Register a new incarnation of this node under a fresh lease, kept alive from now on."""

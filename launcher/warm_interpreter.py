@@ -2,12 +2,13 @@
 
 The agent starts it (under the same supervisor as a cold worker) with the round-independent part of the
 worker environment and one end of a SOCK_SEQPACKET socket pair in `ELASTIC_WARM_CONTROL_FD`. It imports
-torch, torch.distributed and the heavy parts of torch that FSDP2 and DCP scripts load (`PRELOADED`), and
-waits for one launch message: a JSON object (`env`, `argv`) with the worker's stdout and stderr attached as
-file descriptors. It then becomes `python script.py args`:
-stdout/stderr on those descriptors, the round's environment, `sys.argv`, `sys.path[0]` the script's
-directory, the script run as `__main__`; its exit code and uncaught exception are the script's. The socket
-closing without a message (the agent is gone, or no round needs this interpreter) ends it with status 0.
+torch, torch.distributed and the heavy parts of torch that FSDP2 and DCP scripts load (`PRELOADED`), writes
+to the pipe in `ELASTIC_WARM_READY_FD` to say so, and waits for one launch message: a JSON object (`env`,
+`argv`) with the worker's stdout and stderr attached as file descriptors. It then becomes
+`python script.py args`: stdout/stderr on those descriptors, the round's environment, `sys.argv`,
+`sys.path[0]` the script's directory, the script run as `__main__`; its exit code and uncaught exception are
+the script's. The socket closing without a message (the agent is gone, or no round needs this interpreter)
+ends it with status 0.
 
 Run as a file, never imported by the worker: nothing of `launcher` stays in the script's `sys.modules`. Its
 command line ends with the script and its arguments, so `ps` and `pgrep -f script.py` find the worker.
@@ -25,6 +26,9 @@ import sys
 import types
 
 CONTROL_FD_ENV = "ELASTIC_WARM_CONTROL_FD"
+# the write end of a pipe, written once the imports are done. Not the control socket: a socket closed by the
+# agent with an unread message in it resets the connection, and the launch message behind it would be lost
+READY_FD_ENV = "ELASTIC_WARM_READY_FD"
 MAX_LAUNCH_BYTES = 4 << 20
 # the process name (/proc/<pid>/comm) while it waits, so that `ps` tells a spare from a worker; a launched one
 # takes back the interpreter's own name, as a cold worker has it
@@ -57,6 +61,7 @@ def _wait_for_launch(control: socket.socket) -> tuple[dict, list[int]] | None:
 
 def main() -> None:
     control = socket.socket(fileno=int(os.environ.pop(CONTROL_FD_ENV)))
+    ready = int(os.environ.pop(READY_FD_ENV))
     own_name = _own_name()
     _set_process_name(IDLE_NAME.encode())
     import torch  # noqa: F401  (the cost a warm worker pays before its round, not in it)
@@ -67,6 +72,11 @@ def main() -> None:
             importlib.import_module(module)
         except ImportError:
             pass  # an older torch without it: a script that needs it fails on its own import, as it would cold
+    try:
+        os.write(ready, b"1")  # the agent of a node joining a running job waits for this before it registers
+    except OSError:
+        pass  # the agent no longer listens (EPIPE): it launched us already, or gave us up
+    os.close(ready)
 
     launch = _wait_for_launch(control)
     control.close()

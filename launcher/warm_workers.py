@@ -10,6 +10,10 @@ script). A rank without a fitting warm interpreter starts cold, exactly as befor
   variables at import;
 - it must still be alive and its control socket open.
 
+An agent joining a job that already trains registers only once its warm interpreters are ready (at most
+`JOIN_WAIT_S`), so that the round that takes it in does not wait on its imports while the others stand idle;
+one that joins a job with no round yet registers at once, and its imports overlap the rendezvous.
+
 The pool is refilled a while after a round's workers started, not at once, so that the new interpreters'
 imports do not compete for the CPU with the starting round. `--no-warm-workers` turns the pool off; `-m` and
 `--no-python` always start cold.
@@ -19,18 +23,23 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import select
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.process_tree import stop_group, supervised_command
-from launcher.warm_interpreter import CONTROL_FD_ENV
+from launcher.warm_interpreter import CONTROL_FD_ENV, READY_FD_ENV
 
 logger = logging.getLogger(__name__)
 
 _PROGRAM = str(Path(__file__).with_name("warm_interpreter.py"))
+JOIN_WAIT_S = 60.0  # past it, a node joining a running job registers anyway: its ranks start when they can
 
 
 @dataclass
@@ -39,6 +48,7 @@ class WarmWorker:
 
     process: subprocess.Popen
     control: socket.socket
+    importing: int | None  # the read end of its ready pipe until it wrote to it (imports done) or exited
 
     def launch(self, env: dict[str, str], argv: list[str], stdout_fd: int, stderr_fd: int) -> bool:
         """Hand over the round: False if the interpreter is gone (the caller starts the rank cold)."""
@@ -48,8 +58,18 @@ class WarmWorker:
         except OSError:
             return False
         finally:
-            self.control.close()
+            self.close()
         return True
+
+    def close(self) -> None:
+        """Give it up: an interpreter that was not launched exits when its control socket closes."""
+        self.control.close()
+        self.done_importing()
+
+    def done_importing(self) -> None:
+        if self.importing is not None:
+            os.close(self.importing)
+            self.importing = None
 
 
 class WarmPool:
@@ -66,6 +86,21 @@ class WarmPool:
         for local_rank in range(self.nproc):
             if local_rank not in self._workers:
                 self._workers[local_rank] = self._start()
+
+    def wait_ready(self, timeout_s: float, interrupted: Callable[[], bool]) -> bool:
+        """Wait until every warm interpreter finished its imports (or exited), at most `timeout_s` seconds or
+        until `interrupted()`; True if none is still importing."""
+        deadline = time.monotonic() + timeout_s
+        importing = {warm.importing: warm for warm in self._workers.values() if warm.importing is not None}
+        while importing and not interrupted():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            readable, _, _ = select.select(list(importing), [], [], min(left, 0.1))
+            exited = [fd for fd, warm in importing.items() if warm.process.poll() is not None]
+            for fd in {*readable, *exited}:  # it wrote: the imports are done; or it is gone
+                importing.pop(fd).done_importing()
+        return not importing
 
     def take(self, local_rank: int, node_env: dict[str, str]) -> WarmWorker | None:
         """The warm interpreter of `local_rank` if it was started with `node_env` (None: start the rank cold)."""
@@ -89,21 +124,25 @@ class WarmPool:
 
     def _start(self) -> WarmWorker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(self.env, **{CONTROL_FD_ENV: str(theirs.fileno())})
+        importing, done = os.pipe()
+        env = dict(self.env, **{CONTROL_FD_ENV: str(theirs.fileno()), READY_FD_ENV: str(done)})
         command = supervised_command([sys.executable, "-u", _PROGRAM, *self.argv])
-        with theirs:
-            process = subprocess.Popen(
-                command,
-                env=env,
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
-            )
-        return WarmWorker(process, ours)
+        try:
+            with theirs:
+                process = subprocess.Popen(
+                    command,
+                    env=env,
+                    start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    pass_fds=(theirs.fileno(), done),
+                )
+        finally:
+            os.close(done)
+        return WarmWorker(process, ours, importing)
 
     @staticmethod
     def _discard(workers: list[WarmWorker]) -> None:
         for warm in workers:
-            warm.control.close()  # an idle interpreter exits when its socket closes
+            warm.close()
         stop_group([w.process for w in workers], grace_s=2.0)

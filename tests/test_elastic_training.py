@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from launcher_harness import REPO, events, pid_alive
+from launcher_harness import FAST_RDZV, REPO, events, pid_alive
 
 from elastic.checkpoint.layout import scan
 from launcher.process_tree import child_pids, descendant_pids
@@ -61,7 +61,12 @@ def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path
     samples = tmp_path / "samples.jsonl"
     steps, global_batch = 30, 6
     args = train_args(samples, tmp_path / "ckpt", steps, global_batch, ckpt_every, memory_every)
-    agents = [cluster.start(n, args, nnodes="2:3", nproc=1, script=REPO / "examples" / "train.py") for n in "abc"]
+    # round 0 forms once all three joined, however slowly a loaded machine starts the third agent
+    all_three = FAST_RDZV.replace("last_call_timeout=1", "last_call_timeout=60")
+    agents = [
+        cluster.start(n, args, nnodes="2:3", nproc=1, rdzv_conf=all_three, script=REPO / "examples" / "train.py")
+        for n in "abc"
+    ]
     cluster.wait_for(lambda: samples.is_file() and '"step": 10,' in samples.read_text(), 120, "step 10 at 3 ranks")
     killed_at = time.time()
     os.kill(agents[2].pid, signal.SIGKILL)

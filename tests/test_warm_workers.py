@@ -127,3 +127,38 @@ def test_closing_the_pool_ends_idle_interpreters():
     processes = [w.process for w in pool._workers.values()]
     pool.close()
     assert all(p.poll() is not None for p in processes)
+
+
+def test_a_pool_is_ready_once_every_interpreter_imported_torch_or_exited():
+    pool = WarmPool(dict(os.environ), nproc=2, argv=["train.py"])
+    pool.fill()
+    try:
+        assert not pool.wait_ready(30, interrupted=lambda: True), "interrupted (a signal) before they are ready"
+        importing = pool._workers[1].process
+        started = time.monotonic()
+        assert pool.wait_ready(60, interrupted=lambda: False)
+        assert importing.poll() is None, "ready and waiting for its round"
+        print(f"\ntwo warm interpreters ready in {time.monotonic() - started:.1f}s")
+    finally:
+        pool.close()
+    dead = WarmPool(dict(os.environ), nproc=1, argv=["train.py"])
+    dead.fill()
+    try:
+        dead._workers[0].process.kill()
+        started = time.monotonic()
+        assert dead.wait_ready(30, interrupted=lambda: False), "an interpreter that exited is nothing to wait for"
+        assert time.monotonic() - started < 2, "its socket closed: not waited for until it would have imported"
+    finally:
+        dead.close()
+
+
+def test_a_launch_sent_before_the_interpreter_finished_importing_still_runs(tmp_path):
+    """The agent hands a round over and closes its end while the interpreter still imports: its READY then
+    finds nobody to read it, and the launch waiting in the socket must run all the same."""
+    pool = WarmPool(dict(os.environ, WARM_TEST="1"), nproc=1, argv=["train.py"])
+    pool.fill()
+    try:
+        code, out, _ = launch(pool, tmp_path, "0")  # at once: torch is far from imported yet
+        assert code == 0 and json.loads(out)["argv"][1:] == ["--lr", "0.1"]
+    finally:
+        pool.close()
