@@ -200,6 +200,9 @@ def host_main(index: int, spec: dict, conn, events) -> None:
         def poll(self):
             return WorkerOutcome.RUNNING, []
 
+        def stall(self) -> None:
+            return None  # no workers, never stalled
+
         def stop(self, signum: int = signal.SIGTERM) -> None:
             pass
 
