@@ -524,7 +524,7 @@ class Agent:
             else:
                 logger.debug("stall report not written (tried again at the next poll): %s", failed)
         stall = run.workers.stall() if run.workers is not None and run.phase is Phase.RUNNING else None
-        if (stall is not None) != run.stall_reported and (stall is not None or run.phase is Phase.RUNNING):
+        if (stall is not None) != run.stall_reported and run.phase is Phase.RUNNING:
             run.stall_write = self._stall_writer.submit(self._write_stall, run.record.round, run.revision, stall)
 
     def _write_stall(self, round_: int, revision: int, stall: Stall | None) -> None:

@@ -489,15 +489,15 @@ def _running_round(view: JobView, round_: RoundRecord, clock: Clock, now: float,
 
 def _stall_suspects(view: JobView, settings: Settings) -> dict[str, NodeRecord]:
     """While some member's workers are stalled: the members that could be why (alive by their lease, reported
-    neither a stall nor an outcome, and answer probes), with their registrations. Empty: no stall, or no suspect."""
+    neither a stall nor an outcome, with a probe port), with their registrations. Empty: no stall, or no suspect."""
     reports = view.current()
     if not settings.probe_timeout or not any(node not in reports.done for node in reports.stalled):
         return {}
-    quiet = (m for m in _members(view) if m.node not in reports.stalled and m.node not in reports.failed)
+    reported = reports.stalled.keys() | reports.failed.keys() | reports.done
     return {
         m.node: view.nodes[m.node]
-        for m in quiet
-        if m.node not in reports.done and _alive(view, m) and view.nodes[m.node].probe_port
+        for m in _members(view)
+        if m.node not in reported and _alive(view, m) and view.nodes[m.node].probe_port
     }
 
 
