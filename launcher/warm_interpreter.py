@@ -2,7 +2,7 @@
 
 The agent starts it (under the same supervisor as a cold worker) with the round-independent part of the
 worker environment and one end of a SOCK_SEQPACKET socket pair in `ELASTIC_WARM_CONTROL_FD`. It imports
-torch, torch.distributed and the heavy parts of torch that FSDP2 and DCP scripts load (`PRELOADED`), writes
+torch, torch.distributed and the torch modules the script imports (`torch_imports`), writes
 to the pipe in `ELASTIC_WARM_READY_FD` to say so, and waits for one launch message: a JSON object (`env`,
 `argv`) with the worker's stdout and stderr attached as file descriptors. It then becomes
 `python script.py args`: stdout/stderr on those descriptors, the round's environment, `sys.argv`,
@@ -14,6 +14,7 @@ Run as a file, never imported by the worker: nothing of `launcher` stays in the 
 command line ends with the script and its arguments, so `ps` and `pgrep -f script.py` find the worker.
 """
 
+import ast
 import builtins
 import importlib
 import importlib.machinery
@@ -36,13 +37,9 @@ IDLE_NAME = "elastic-warm"
 _PR_SET_NAME = 15
 # What an FSDP2 + DCP training script pays for in its first second besides torch itself, measured on
 # examples/train.py: `import torch.distributed.fsdp` (0.7 s) and the torch._dynamo that fully_shard's first call
-# imports (1.0 s). torch's own modules, read nothing of the round's environment at import: safe to load early.
-PRELOADED = (
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor",
-    "torch.distributed.checkpoint",
-    "torch._dynamo",
-)
+# imports (1.0 s). Only torch's own modules are loaded early (they read nothing of the round's environment at
+# import), and only those the script imports itself: a script that needs none pays nothing for them.
+IMPORTED_WITH = {"torch.distributed.fsdp": ("torch._dynamo",)}
 
 
 def _set_process_name(name: bytes) -> None:
@@ -67,11 +64,11 @@ def main() -> None:
     import torch  # noqa: F401  (the cost a warm worker pays before its round, not in it)
     import torch.distributed  # noqa: F401  (the part every elastic-run script uses)
 
-    for module in PRELOADED:
+    for module in torch_imports(sys.argv[1]) if len(sys.argv) > 1 else ():
         try:
             importlib.import_module(module)
         except ImportError:
-            pass  # an older torch without it: a script that needs it fails on its own import, as it would cold
+            pass  # not in this torch: the script fails on its own import of it, as it would cold
     try:
         os.write(ready, b"1")  # the agent of a node joining a running job waits for this before it registers
     except OSError:
@@ -91,6 +88,28 @@ def main() -> None:
     sys.argv = list(order["argv"])
     _set_process_name(own_name)
     _run_as_main(sys.argv[0])
+
+
+def torch_imports(script: str) -> list[str]:
+    """The torch modules `script` imports at its top level (in `try` blocks too), with what they load on first
+    use (`IMPORTED_WITH`); none when it cannot be read or parsed: the script then says why when it runs."""
+    try:
+        with io.open_code(os.path.abspath(script)) as source:
+            tree = ast.parse(source.read())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    statements = list(tree.body)
+    for statement in tree.body:
+        if isinstance(statement, ast.Try):
+            statements += statement.body
+    names = []
+    for statement in statements:
+        if isinstance(statement, ast.Import):
+            names += [alias.name for alias in statement.names]
+        elif isinstance(statement, ast.ImportFrom) and statement.module and not statement.level:
+            names.append(statement.module)
+    found = [name for name in dict.fromkeys(names) if name == "torch" or name.startswith("torch.")]
+    return found + [extra for name in found for extra in IMPORTED_WITH.get(name, ())]
 
 
 def _own_name() -> bytes:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launcher.process_tree import child_pids
-from launcher.warm_interpreter import IDLE_NAME
+from launcher.warm_interpreter import IDLE_NAME, torch_imports
 from launcher.warm_workers import WarmPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -162,3 +162,21 @@ def test_a_launch_sent_before_the_interpreter_finished_importing_still_runs(tmp_
         assert code == 0 and json.loads(out)["argv"][1:] == ["--lr", "0.1"]
     finally:
         pool.close()
+
+
+def test_an_interpreter_preloads_the_torch_modules_its_script_imports(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, torch\nimport torch.distributed as dist\nfrom torch.distributed.fsdp import fully_shard\n"
+        "from . import sibling\nimport numpy\ntry:\n    import torch.distributed.checkpoint\nexcept ImportError:\n"
+        "    pass\ndef main():\n    import torch.utils.data\n"
+    )
+    assert torch_imports(str(script)) == [
+        "torch",
+        "torch.distributed",
+        "torch.distributed.fsdp",
+        "torch.distributed.checkpoint",
+        "torch._dynamo",  # what fully_shard imports on its first call
+    ]
+    script.write_text("import torch\ndef broken(:\n")
+    assert torch_imports(str(script)) == [] and torch_imports(str(tmp_path / "missing.py")) == []
