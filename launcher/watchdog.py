@@ -156,10 +156,10 @@ class Stall:
     last_step: int | None
 
 
-def stall_allowance(intervals: Sequence[float], window: int = AUTO_WINDOW) -> float | None:
+def stall_allowance(intervals: Sequence[float]) -> float | None:
     """Seconds of silence after which a worker with these recent step intervals counts as stalled; None while
     too few steps were seen to know its pace."""
-    recent = sorted(intervals[-window:])
+    recent = sorted(intervals[-AUTO_WINDOW:])
     if len(recent) < STALL_MIN_INTERVALS:
         return None
     slow = recent[math.ceil(STALL_QUANTILE * len(recent)) - 1]  # nearest rank
