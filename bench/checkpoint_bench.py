@@ -7,7 +7,8 @@ Targets: async stall <= 10% of the sync save; save throughput >= 80% of a raw se
 same bytes (with fsync, same directory, same run); load at 8 ranks of a checkpoint saved at 4 ranks
 <= 1.2x the load at 8 ranks of one saved at 8; at 4 ranks on 2 simulated nodes (a memory folder each, on
 /dev/shm), loading from memory >= 10x faster than from disk (the page cache dropped before each disk load when
-run as root), and a memory snapshot stalls training no longer than an async disk save. Each measure is
+run as root), and a memory snapshot stalls training no longer than an async disk save (both in a run's steady
+state: after the first saves, which allocate). Each measure is
 interleaved with the one it is compared to, round after round, and the medians are compared, because the host
 may be busy with other work.
 Not a test: the figures depend on the machine and its load.
@@ -34,6 +35,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 
 from elastic.checkpoint import CheckpointManager, ModelState
+from elastic.checkpoint.memory import KEEP
 from elastic.node_memory import MEMORY_DIR_ENV, SHARED_MEMORY
 
 HIDDEN = 4096
@@ -174,12 +176,17 @@ def memory_rounds(rank: int, work: Path, state: dict, rounds: int) -> None:
         "memory read": [],
         "disk read": [],
     }
-    for round_ in range(rounds):
+    # Measured in a run's steady state, after KEEP rounds: the async stager has its buffers, and a snapshot writes
+    # over the oldest one's files (the first saves of a run allocate, both kinds).
+    for round_ in range(KEEP + rounds):
         disk_step, memory_step = 2 * round_ + 1, 2 * round_ + 2  # the newest is always in memory
-        times["4-rank async stall"].append(_timed_on_all_ranks(functools.partial(manager.save, disk_step, state)))
+        disk_stall = _timed_on_all_ranks(functools.partial(manager.save, disk_step, state))
         manager.wait()
         assert manager.should_save(memory_step)  # chooses memory: no disk schedule
-        times["memory stall"].append(_timed_on_all_ranks(functools.partial(manager.save, memory_step, state)))
+        memory_stall = _timed_on_all_ranks(functools.partial(manager.save, memory_step, state))
+        if round_ >= KEEP:
+            times["4-rank async stall"].append(disk_stall)
+            times["memory stall"].append(memory_stall)
     manager.close()
     cold = True
     for _ in range(rounds):
@@ -191,7 +198,7 @@ def memory_rounds(rank: int, work: Path, state: dict, rounds: int) -> None:
             loader.close()
     if rank == 0:  # the ceiling of the ratio: reading the same bytes and nothing else, one process
         newest = max(directory.glob("step-*"), key=lambda folder: int(folder.name[5:]))
-        snapshot = sorted(memory_root(work).glob(f"node*/own/step-{2 * rounds}/*.distcp"))  # the last memory_step
+        snapshot = sorted(memory_root(work).glob(f"node*/own/step-{2 * (KEEP + rounds)}/*.distcp"))  # the last
         for _ in range(rounds):
             times["memory read"].append(read_seconds(snapshot))
             cold = drop_page_cache() and cold

@@ -65,7 +65,8 @@ BENCHMARKS = [
         ["bench/checkpoint_bench.py", "--megabytes", "256", "--rounds", "3"],
         300,
         "256 MiB of model state on 4 and 8 gloo ranks, 3 interleaved rounds, the temp directory's disk; memory "
-        "snapshots at 4 ranks as 2 nodes of 2 (a /dev/shm folder each), the page cache dropped before each disk load",
+        "snapshots at 4 ranks as 2 nodes of 2 (a /dev/shm folder each), their stalls after 2 warm-up rounds (a run's "
+        "steady state), the page cache dropped before each disk load",
     ),
     Benchmark(
         "rendezvous",

@@ -17,12 +17,16 @@ from test_checkpoint_reshard import assert_identical, full_state, sharded
 from elastic.checkpoint import CheckpointManager, ModelState
 from elastic.checkpoint.memory import (
     METADATA,
+    RECORD,
     Inventory,
+    MemorySnapshots,
     SnapshotRecord,
     Transfer,
     newest_loadable,
     plan_transfers,
 )
+from elastic.checkpoint.ranks import Ranks
+from elastic.checkpoint.snapshot_format import data_file
 from elastic.node_memory import MEMORY_DIR_ENV
 
 
@@ -199,3 +203,38 @@ def test_only_a_save_to_disk_is_a_long_operation_for_the_watchdog(tmp_path: Path
     node = tmp_path / "node"
     node.mkdir()
     assert run_ranks(2, steps_marked_long, str(tmp_path / "disk"), str(node)) == [[(2, "checkpoint save")]] * 2
+
+
+def test_a_new_snapshot_is_written_over_the_oldest_files_never_over_a_peer_copy(tmp_path: Path) -> None:
+    """Once KEEP are held, a snapshot takes the oldest one's folder and writes over its files in place; a file
+    that is also a peer copy (a load linked it in) is replaced, not written over, and a file this node's ranks no
+    longer write (of another rank, from a load) goes: in the new snapshot it would pass for that rank's part."""
+    snapshots = MemorySnapshots(tmp_path, Ranks(None), None)
+    model = torch.nn.Linear(4, 4)
+    state = {"model": ModelState(model)}
+    own = tmp_path / "own"
+    for step in (1, 2):
+        snapshots.save(step, state)
+    first = (own / "step-1" / data_file(0)).stat().st_ino
+    snapshots.save(3, state)
+    assert sorted(path.name for path in own.iterdir()) == ["step-2", "step-3"]
+    assert (own / "step-3" / data_file(0)).stat().st_ino == first, "step 3 was written over step 1's file"
+
+    peer = tmp_path / "peer" / "digest"
+    peer.mkdir(parents=True)
+    os.link(own / "step-2" / data_file(0), peer / data_file(0))
+    copied = (peer / data_file(0)).read_bytes()
+    (own / "step-2" / data_file(7)).write_bytes(b"of a rank this node no longer has")
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    snapshots.save(4, state)
+
+    assert (peer / data_file(0)).read_bytes() == copied, "the peer copy is as it was"
+    assert sorted(path.name for path in (own / "step-4").iterdir()) == sorted([data_file(0), METADATA, RECORD])
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    newest = snapshots.newest()
+    assert newest is not None and newest.step == 4
+    snapshots.load(newest, state)
+    assert torch.equal(model.weight, saved)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from elastic.checkpoint.snapshot_format import RawBytes, SnapshotReader, SnapshotWriter
+from elastic.checkpoint.snapshot_format import MappedFiles, RawBytes, SnapshotReader, SnapshotWriter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,7 +33,7 @@ def blank_like(saved: dict) -> dict:
 
 def test_every_tensor_is_stored_as_aligned_raw_bytes_and_read_back_exactly(tmp_path):
     saved = state()
-    dcp.save(saved, storage_writer=SnapshotWriter(tmp_path), no_dist=True)
+    dcp.save(saved, storage_writer=SnapshotWriter(tmp_path, MappedFiles(2)), no_dist=True)
     storage = FileSystemReader(tmp_path).read_metadata().storage_data
     tensors = {index.fqn: info for index, info in storage.items() if not index.fqn.startswith("extra")}
     assert all(isinstance(info, RawBytes) and info.offset % 64 == 0 for info in tensors.values())
@@ -53,3 +53,16 @@ def test_a_snapshot_written_as_a_disk_checkpoint_is_read_by_the_disk_path(tmp_pa
     loaded = blank_like(saved)
     dcp.load(loaded, storage_reader=SnapshotReader(tmp_path), no_dist=True)
     assert all(torch.equal(loaded[n], v) for n, v in saved.items() if isinstance(v, torch.Tensor))
+
+
+def test_a_snapshot_written_over_an_older_file_reads_back_its_own_values(tmp_path):
+    """The same file, mapped once, takes a snapshot of the same size (a later step), then a smaller one."""
+    files = MappedFiles(2)
+    older = state()
+    dcp.save(older, storage_writer=SnapshotWriter(tmp_path, files), no_dist=True)
+    for newer in ({**older, "weights": older["weights"] + 1}, {"weights": torch.ones(2, 2)}):
+        dcp.save(newer, storage_writer=SnapshotWriter(tmp_path, files), no_dist=True)
+        loaded = blank_like(newer)
+        dcp.load(loaded, storage_reader=SnapshotReader(tmp_path), no_dist=True)
+        assert all(torch.equal(loaded[n], v) for n, v in newer.items() if isinstance(v, torch.Tensor))
+    assert (tmp_path / "__0_0.distcp").stat().st_size == 2 * 2 * 4, "the file holds the smaller snapshot alone"

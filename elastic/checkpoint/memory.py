@@ -15,7 +15,9 @@ node (nodes in rank order, the last to the first) in the background, over a gloo
 save waits for that copy. A step is loadable when some node has its snapshot.json and every data file it lists
 is whole on some node. To load it, the nodes send each other the files they lack (point to point, over the
 snapshot group), and every rank loads with DCP from its own node's folder: at any world size, as from disk.
-At most ``KEEP`` own snapshots and one peer copy (two while the next arrives) stay per node.
+At most ``KEEP`` own snapshots and one peer copy (two while the next arrives) stay per node. Once ``KEEP`` are
+held, a save writes over the files of the oldest, through the mappings its ranks kept of them: a memory copy,
+no new pages, nothing freed during the step.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from elastic.checkpoint.loading import load_folder, state_dicts
 from elastic.checkpoint.ranks import Ranks
-from elastic.checkpoint.snapshot_format import SnapshotReader, SnapshotWriter, mapped_file
+from elastic.checkpoint.snapshot_format import MappedFiles, SnapshotReader, SnapshotWriter, data_file, mapped_file
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +124,12 @@ class MemorySnapshots:
         nodes = ranks.gather(f"{socket.gethostname()}:{root.resolve()}")
         self._leaders = sorted({nodes.index(node) for node in nodes})
         self.leader = nodes.index(nodes[ranks.rank])
+        self._node_files = {data_file(rank) for rank, node in enumerate(nodes) if node == nodes[ranks.rank]}
         self.is_leader = self.leader == ranks.rank
         position = self._leaders.index(self.leader)
         self._next = self._leaders[(position + 1) % len(self._leaders)]
         self._previous = self._leaders[position - 1]
+        self._written = MappedFiles(KEEP)
         self._copy: threading.Thread | None = None
         self._copy_error: BaseException | None = None
 
@@ -139,10 +143,10 @@ class MemorySnapshots:
         started = time.monotonic()
         self.wait_for_copy()
         folder = self._own(step)
-        self._ranks.agree(lambda: self._clear(folder), f"preparing the memory snapshot of step {step}")
+        self._ranks.agree(lambda: self._prepare(folder), f"preparing the memory snapshot of step {step}")
         dcp.save(
             state_dicts(state),
-            storage_writer=SnapshotWriter(folder),
+            storage_writer=SnapshotWriter(folder, self._written),
             planner=DefaultSavePlanner(enable_plan_caching=True),
             process_group=self._ranks.group,
             no_dist=self._ranks.group is None,
@@ -199,10 +203,23 @@ class MemorySnapshots:
     def _peer(self, digest: str) -> Path:
         return self.root / "peer" / digest
 
-    def _clear(self, folder: Path) -> None:
-        if self.is_leader:
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
+    def _prepare(self, folder: Path) -> None:
+        """``folder`` holding no snapshot, for a new one: the oldest own snapshot's folder once ``KEEP`` are held,
+        its files written over in place (cheaper than new pages, and nothing is freed during the step), less the
+        files this node's ranks will not write again: those would pass for parts of the new snapshot."""
+        if not self.is_leader:
+            return
+        held = sorted(_steps(self.root / "own"))
+        if not folder.is_dir() and len(held) >= KEEP:
+            oldest = self._own(held[0])
+            (oldest / RECORD).unlink(missing_ok=True)  # it stops counting before a byte of it changes
+            oldest.rename(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / RECORD).unlink(missing_ok=True)
+        for child in folder.iterdir():
+            # a file linked from a peer copy (_assemble) is that copy too: writing over it would change the copy
+            if child.name not in self._node_files or child.stat().st_nlink > 1:
+                child.unlink()
 
     def _describe(self, folder: Path, step: int) -> tuple[bytes, SnapshotRecord]:
         metadata = (folder / METADATA).read_bytes()

@@ -9,8 +9,10 @@ metadata is DCP's own, so planning, resharding and the foreign-key checks work a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
+import os
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
@@ -48,29 +51,69 @@ def mapped_file(path: Path) -> torch.Tensor:
     return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
 
 
+def data_file(rank: int) -> str:
+    """The file that rank ``rank`` of the saving group writes its items to."""
+    return f"__{rank}_0.distcp"
+
+
+class MappedFiles:
+    """This process's shared mappings of the snapshot files it wrote last. Writing the next snapshot over one of
+    them (memory.py reuses the oldest snapshot's files) is then a memory copy: mapping a file anew, or write(),
+    takes a fault per page, which costs twice the copy itself."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._mapped: collections.OrderedDict[tuple[int, int], torch.Tensor] = collections.OrderedDict()
+
+    def of_size(self, path: Path, size: int) -> torch.Tensor:
+        """The bytes of ``path``, created or resized to ``size``, as a tensor: what is written to it is in the file."""
+        with open(path, "ab") as stream:
+            stream.truncate(size)
+            status = os.fstat(stream.fileno())
+        key = (status.st_dev, status.st_ino)
+        mapped = self._mapped.pop(key, None)
+        if mapped is None or mapped.numel() != size:
+            mapped = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8) if size else _EMPTY
+        self._mapped[key] = mapped
+        while len(self._mapped) > self._keep:  # the files of older snapshots: gone, or to be written anew
+            self._mapped.popitem(last=False)
+        return mapped
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
 class SnapshotWriter(FileSystemWriter):
     """One file per rank, unsynced (shared memory), tensors as raw bytes; objects as DCP pickles them."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, files: MappedFiles) -> None:
         super().__init__(folder, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
+        self._files = files
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = f"{plan.storage_data.prefix}0.distcp"
+        name = f"{plan.storage_data.prefix}0.distcp"  # DCP's prefix of the plan of rank i is "__{i}_": data_file(i)
+        placed: list[tuple[WriteItem, torch.Tensor, int]] = []
+        end = 0
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO), "DCP resolves a BYTE_IO item to a BytesIO"
+                pickled = bytearray(data.getbuffer())
+                payload = torch.frombuffer(pickled, dtype=torch.uint8) if pickled else _EMPTY
+            else:
+                assert isinstance(data, torch.Tensor), "DCP resolves a tensor item to a tensor"
+                end += -end % _ALIGNMENT
+                payload = data.detach()
+            placed.append((item, payload, end))
+            end += payload.numel() * payload.element_size()
+        target = self._files.of_size(Path(self.path) / name, end)
         results = []
-        with open(Path(self.path) / name, "wb") as stream:
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    assert isinstance(data, io.BytesIO), "DCP resolves a BYTE_IO item to a BytesIO"
-                    payload = data.getbuffer()
-                else:
-                    assert isinstance(data, torch.Tensor), "DCP resolves a tensor item to a tensor"
-                    stream.write(bytes(-stream.tell() % _ALIGNMENT))
-                    payload = data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
-                offset = stream.tell()
-                stream.write(payload)
-                storage = RawBytes(name, offset, stream.tell() - offset)
-                results.append(WriteResult(index=item.index, size_in_bytes=storage.length, storage_data=storage))
+        for item, payload, offset in placed:
+            length = payload.numel() * payload.element_size()
+            # from the device too: no staging copy in between
+            target[offset : offset + length].view(payload.dtype).view(payload.shape).copy_(payload)
+            storage = RawBytes(name, offset, length)
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=storage))
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
