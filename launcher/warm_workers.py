@@ -66,6 +66,12 @@ class WarmWorker:
         self.control.close()
         self.done_importing()
 
+    def still_importing(self) -> bool:
+        """Whether it has not yet said that its imports are done (nor exited): launched now, the round waits."""
+        if self.importing is not None and select.select([self.importing], [], [], 0)[0]:
+            self.done_importing()
+        return self.importing is not None and self.process.poll() is None
+
     def done_importing(self) -> None:
         if self.importing is not None:
             os.close(self.importing)

@@ -162,6 +162,7 @@ class WorkerGroup:
         self.config = config
         self.warm = warm
         self.started_warm = 0  # how many of the workers started in a warm interpreter
+        self.started_importing = 0  # of those, how many had not finished importing torch yet
         self.round = round_
         self.member = member
         self.master = master
@@ -196,9 +197,11 @@ class WorkerGroup:
             env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
             routes = {name: self._route(directory, local_rank, name) for name in ("stdout", "stderr")}
             warm = self.warm.take(local_rank, node_env) if self.warm is not None else None
+            importing = warm is not None and warm.still_importing()
             if warm is not None and self._launch_warm(warm, env, routes):
                 process = warm.process
                 self.started_warm += 1
+                self.started_importing += importing
             else:
                 process = self._launch_cold(env, routes)
             for route in routes.values():
@@ -206,10 +209,11 @@ class WorkerGroup:
                     route.log_file.close()  # the child holds its own descriptor
             self.processes.append(process)
         logger.info(
-            "round %d: started %d worker(s) (%d warm), ranks %d-%d of %d, logs in %s",
+            "round %d: started %d worker(s) (%d warm%s), ranks %d-%d of %d, logs in %s",
             self.round.round,
             self.member.nproc,
             self.started_warm,
+            f", {self.started_importing} still importing" if self.started_importing else "",
             self.member.first_rank,
             self.member.last_rank,
             self.round.world_size,

@@ -134,10 +134,12 @@ def test_a_pool_is_ready_once_every_interpreter_imported_torch_or_exited():
     pool.fill()
     try:
         assert not pool.wait_ready(30, interrupted=lambda: True), "interrupted (a signal) before they are ready"
+        assert pool._workers[0].still_importing(), "torch takes a second or more to import"
         importing = pool._workers[1].process
         started = time.monotonic()
         assert pool.wait_ready(60, interrupted=lambda: False)
         assert importing.poll() is None, "ready and waiting for its round"
+        assert not any(warm.still_importing() for warm in pool._workers.values())
         print(f"\ntwo warm interpreters ready in {time.monotonic() - started:.1f}s")
     finally:
         pool.close()
@@ -145,6 +147,8 @@ def test_a_pool_is_ready_once_every_interpreter_imported_torch_or_exited():
     dead.fill()
     try:
         dead._workers[0].process.kill()
+        dead._workers[0].process.wait()
+        assert not dead._workers[0].still_importing(), "an interpreter that exited imports nothing more"
         started = time.monotonic()
         assert dead.wait_ready(30, interrupted=lambda: False), "an interpreter that exited is nothing to wait for"
         assert time.monotonic() - started < 2, "its socket closed: not waited for until it would have imported"
