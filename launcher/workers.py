@@ -27,6 +27,9 @@ from launcher.watchdog import HEARTBEAT_FILE, Policy, Stall, StartupHistory, Wat
 
 logger = logging.getLogger(__name__)
 
+ERROR_FILE = "error.json"  # TORCHELASTIC_ERROR_FILE, in the worker's attempt folder
+UNCAUGHT_EXCEPTION_EXIT = 1  # what Python exits with after an uncaught exception
+
 
 def node_worker_env(addr: str, nproc: int) -> dict[str, str]:
     """The part of a worker's environment that stays the same from round to round on this node."""
@@ -72,6 +75,11 @@ def worker_env(
     # where CheckpointManager(memory_every=...) keeps snapshots; the agent holds the folder for the job's life
     env[MEMORY_DIR_ENV] = str(node_memory_dir(config.rdzv_id, member.node))
     return env
+
+
+def _exit_code(process: subprocess.Popen) -> int:
+    """The worker's exit code; for one still tearing down after an uncaught exception, the 1 it will exit with."""
+    return UNCAUGHT_EXCEPTION_EXIT if process.returncode is None else process.returncode
 
 
 def read_error_file(path: Path) -> tuple[str, str, float | None]:
@@ -171,6 +179,10 @@ class WorkerGroup:
         self.processes: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
         self._exited_at: dict[int, float] = {}
+        # workers that wrote their error file (torch's @record: an uncaught exception) but have not exited yet:
+        # their interpreter's teardown takes 0.4-0.8 s with torch loaded, and a peer waiting on them fails only
+        # once they exit, so waiting for every exit would chain those delays across the job
+        self._raised: set[int] = set()
         self._duplicators = {
             name: LineDuplicator(self.attempt_dir / f"filtered_{name}.log", filters)
             for name, filters in (
@@ -192,7 +204,7 @@ class WorkerGroup:
         for local_rank in range(self.member.nproc):
             directory = self.attempt_dir / str(local_rank)
             directory.mkdir(parents=True, exist_ok=True)
-            error_file = directory / "error.json"
+            error_file = directory / ERROR_FILE
             error_file.unlink(missing_ok=True)
             env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
             routes = {name: self._route(directory, local_rank, name) for name in ("stdout", "stderr")}
@@ -286,11 +298,13 @@ class WorkerGroup:
         for local_rank, process in enumerate(self.processes):
             if process.poll() is not None:
                 self._exited_at.setdefault(local_rank, now)
+            elif local_rank not in self._raised and self._error_file_written(local_rank):
+                self._raised.add(local_rank)
         # a worker the watchdog found hung failed, even if it exited 0 once continued for its stack dump
         failures = [
             self._failure(r)
             for r, p in enumerate(self.processes)
-            if p.returncode not in (None, 0) or (p.returncode == 0 and self.watchdog.hang(r))
+            if p.returncode not in (None, 0) or (p.returncode == 0 and self.watchdog.hang(r)) or r in self._raised
         ]
         if failures:
             return WorkerOutcome.FAILED, sorted(failures, key=lambda f: (f.time, f.rank))
@@ -321,9 +335,14 @@ class WorkerGroup:
         """A worker found hung is being dumped and killed; its failure follows within seconds."""
         return self.watchdog.acting()
 
+    def _error_file_written(self, local_rank: int) -> bool:
+        """Whether the worker wrote its whole error file: it raised, and is only tearing down."""
+        path = self.attempt_dir / str(local_rank) / ERROR_FILE
+        return path.exists() and read_error_file(path)[2] is not None
+
     def _failure(self, local_rank: int) -> WorkerFailure:
         directory = self.attempt_dir / str(local_rank)
-        message, traceback, written = read_error_file(directory / "error.json")
+        message, traceback, written = read_error_file(directory / ERROR_FILE)
         if not traceback:
             stderr_log = directory / "stderr.log"
             if stderr_log.is_file():
@@ -353,7 +372,7 @@ class WorkerGroup:
             round=self.round.round,
             local_rank=local_rank,
             rank=self.member.first_rank + local_rank,
-            exit_code=self.processes[local_rank].returncode,
+            exit_code=_exit_code(self.processes[local_rank]),
             time=written or self._exited_at[local_rank],
             message=message,
             traceback=traceback,

@@ -449,15 +449,15 @@ def test_report_of_a_hung_worker_logs_worker_hung_with_its_details(etcd):
     assert "worker_hung" in table and "seconds_silent=3.2" in table and "last_step=41" in table
 
 
-# -- a WorkerGroup with real worker processes (no etcd, no torch) ---------------------------------------------------
-def run_group(tmp_path: Path, script_args: list[str], timeout: float = 1.0, deadline_s: float = 30.0):
+# -- a WorkerGroup with real worker processes (no etcd) --------------------------------------------------------------
+def worker_group(tmp_path: Path, entrypoint: Path, script_args: list[str], timeout: float = 1.0) -> WorkerGroup:
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=1,
         rdzv_endpoint="127.0.0.1:2379",
         rdzv_id="t",
-        entrypoint=str(PATTERN),
+        entrypoint=str(entrypoint),
         args=script_args,
         log_dir=tmp_path,
         redirects=Std.ALL,
@@ -466,7 +466,11 @@ def run_group(tmp_path: Path, script_args: list[str], timeout: float = 1.0, dead
         node_id="n",
     )
     member = Member("n", 1, 0, 1, 0, "127.0.0.1")
-    group = WorkerGroup(config, one_member_round(member), member, MasterRecord(addr="127.0.0.1", port=1))
+    return WorkerGroup(config, one_member_round(member), member, MasterRecord(addr="127.0.0.1", port=1))
+
+
+def run_group(tmp_path: Path, script_args: list[str], timeout: float = 1.0, deadline_s: float = 30.0):
+    group = worker_group(tmp_path, PATTERN, script_args, timeout)
     group.start()
     try:
         deadline = time.monotonic() + deadline_s
@@ -504,6 +508,40 @@ def test_a_long_operation_outlasts_the_normal_allowance(tmp_path):
     outcome, failures, logs = run_group(tmp_path, ["--beats", "3", "--then", "long-op", "--pause", "2.5"])
     assert (outcome, failures) == (WorkerOutcome.SUCCEEDED, [])
     assert "done" in (logs / "stdout.log").read_text()
+
+
+RAISES_THEN_TEARS_DOWN_SLOWLY = """\
+import atexit, time
+from torch.distributed.elastic.multiprocessing.errors import record
+atexit.register(time.sleep, 60)  # a teardown that takes long (torch's own takes 0.4-0.8 s)
+@record
+def main():
+    raise ValueError("bad batch")
+main()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_raised_has_failed_before_its_teardown_ends(tmp_path):
+    """Its error file says it failed: a peer blocked on it fails only once it exits, so waiting for the exit
+    would add its teardown to every failure that spreads from rank to rank."""
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES_THEN_TEARS_DOWN_SLOWLY)
+    group = worker_group(tmp_path / "logs", script, [])
+    group.start()
+    try:
+        deadline = time.monotonic() + 30
+        while (outcome_and_failures := group.poll())[0] is WorkerOutcome.RUNNING:
+            assert time.monotonic() < deadline, "the worker's failure was not seen"
+            time.sleep(0.05)
+        assert group.processes[0].poll() is None, "reported while the worker still tears down"
+        outcome, [failure] = outcome_and_failures
+        assert outcome is WorkerOutcome.FAILED
+        assert failure.exit_code == 1 and failure.message == "ValueError: bad batch"
+        assert "ValueError" in failure.traceback
+    finally:
+        group.stop()
+    assert group.processes[0].returncode is not None
 
 
 # -- end to end: real agents, a real etcd --------------------------------------------------------------------------
