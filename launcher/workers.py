@@ -300,11 +300,15 @@ class WorkerGroup:
                 self._exited_at.setdefault(local_rank, now)
             elif local_rank not in self._raised and self._error_file_written(local_rank):
                 self._raised.add(local_rank)
-        # a worker the watchdog found hung failed, even if it exited 0 once continued for its stack dump
+        # a worker the watchdog found hung failed, even if it exited 0 once continued for its stack dump; while
+        # the watchdog dumps and kills one, failures wait for its exit, so that it is among them
+        acting = self.watchdog.acting()
         failures = [
             self._failure(r)
             for r, p in enumerate(self.processes)
-            if p.returncode not in (None, 0) or (p.returncode == 0 and self.watchdog.hang(r)) or r in self._raised
+            if p.returncode not in (None, 0)
+            or (p.returncode == 0 and self.watchdog.hang(r))
+            or (r in self._raised and p.returncode is None and not acting and not self.watchdog.hang(r))
         ]
         if failures:
             return WorkerOutcome.FAILED, sorted(failures, key=lambda f: (f.time, f.rank))

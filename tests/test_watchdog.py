@@ -497,6 +497,14 @@ def test_a_stopped_worker_is_found_hung_its_stacks_dumped_and_killed(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_hung_worker_that_raises_once_continued_for_its_dump_is_reported_hung_once_killed(tmp_path):
+    outcome, failures, _ = run_group(tmp_path, ["--beats", "5", "--then", "stop-then-raise", "--pause", "20"])
+    assert outcome is WorkerOutcome.FAILED
+    [failure] = failures
+    assert failure.hung and failure.exit_code == -signal.SIGKILL and failure.last_step == 4
+
+
+@pytest.mark.timeout(60)
 def test_heartbeats_of_a_forked_child_do_not_keep_a_silent_worker_alive(tmp_path):
     outcome, failures, _ = run_group(tmp_path, ["--beats", "3", "--then", "sleep", "--pause", "20", "--fork"])
     assert outcome is WorkerOutcome.FAILED and failures[0].hung and failures[0].exit_code == -signal.SIGKILL

@@ -3,6 +3,8 @@
     --beats N --interval S     N heartbeats (steps 0..N-1), S seconds apart
     --then sleep|long-op|stop  afterwards: sleep --pause seconds silently, inside elastic.long_operation, or
                                SIGSTOP itself (a hung process)
+    --then stop-then-raise     SIGSTOP itself; once continued, write its error file as torch's @record does for
+                               an uncaught exception and sleep --pause seconds (a teardown that hangs)
     --no-heartbeat             sleep --interval between --beats steps and never call heartbeat
     --fork                     fork a child first that calls heartbeat in a loop (a DataLoader worker must not count)
 
@@ -10,6 +12,7 @@ It prints `step N` to stdout per step and `done` before it exits 0.
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -22,7 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--beats", type=int, default=3)
     parser.add_argument("--interval", type=float, default=0.05)
-    parser.add_argument("--then", choices=["sleep", "long-op", "stop", "exit"], default="exit")
+    parser.add_argument("--then", choices=["sleep", "long-op", "stop", "stop-then-raise", "exit"], default="exit")
     parser.add_argument("--pause", type=float, default=3.0)
     parser.add_argument("--op-timeout", type=float, default=None)
     parser.add_argument("--no-heartbeat", action="store_true")
@@ -47,6 +50,11 @@ def main() -> None:
         elastic.heartbeat(args.beats)
     elif args.then == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif args.then == "stop-then-raise":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as error_file:
+            json.dump({"message": "RuntimeError: Connection closed by peer"}, error_file)
+        time.sleep(args.pause)
     print("done", flush=True)
     sys.exit(0)
 
