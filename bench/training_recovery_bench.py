@@ -23,10 +23,11 @@ machine:
        preempt   SIGTERM its agent (a preemption notice: the workers drain, then the agent leaves);
        scale-up  start the 3rd agent while 2 train;
   4. measure the seconds from the fault to the first step completed by every rank of a round after the fault's
-     round (from the `time` each rank writes into the sample log), how long training paused (from the last
-     step completed before that round to its first: for a scale-up, the cost of the change), that round's
-     world size, and the steps redone: those logged in an earlier round at or past the step the new round
-     resumed from, which it trains again.
+     round (from the `time` each rank writes into the sample log), the seconds until such a round completed
+     the step the job had reached at the fault ("back": the steps redone cost time too), how long training
+     paused (from the last step completed before that round to its first: for a scale-up, the cost of the
+     change), that round's world size, and the steps redone: those logged in an earlier round at or past the
+     step the new round resumed from, which it trains again.
 
 Both configurations run in the same invocation, one scenario after the other, so that their ratio means
 something on a machine whose load changes from minute to minute. Every figure printed is measured in this run.
@@ -254,12 +255,15 @@ def wait_for_training(log: ProbeLog, job: Job, world_size: int, steps: int, time
     return None
 
 
-def wait_for_recovery(log: ProbeLog, job: Job, fault_time: float, after_round: int, deadline_s: float) -> Step | None:
-    """The first step completed in a round after `after_round`, or None within `deadline_s` of the fault."""
+def wait_for_recovery(
+    log: ProbeLog, job: Job, fault_time: float, after_round: int, deadline_s: float, from_step: int = 0
+) -> Step | None:
+    """The first step (at or past `from_step`) completed in a round after `after_round`, or None within
+    `deadline_s` of the fault."""
     next_progress = time.time() + 15
     while time.time() < fault_time + deadline_s:
         if log.read_new():
-            found = [s for s in completed_steps(log.collectives) if s.round > after_round]
+            found = [s for s in completed_steps(log.collectives) if s.round > after_round and s.step >= from_step]
             if found:
                 return found[0]
         if job.running_agents() == 0:
@@ -285,6 +289,7 @@ class Result:
     fault: str
     variant: str
     seconds: float | None
+    back: float | None = None  # from the fault until a later round completed the step the job had reached
     paused: float | None = None  # from the last step before the new round to its first: how long nothing trained
     redone: int | None = None
     world_size: int | None = None
@@ -331,6 +336,8 @@ def run_scenario(fault: str, variant: str, args: argparse.Namespace) -> Result:
         # the ranks trained on while we read the log and found the processes to signal: where they were at the fault
         before = [r["step"] for r in log.collectives if r["round"] == round_at_fault and r["time"] <= fault_time]
         step_at_fault = max(before, default=trained.step)
+        # the steps redone cost time too: when the job was back where the fault found it
+        back = wait_for_recovery(log, job, fault_time, round_at_fault, args.deadline, from_step=step_at_fault)
         # detection and rendezvous up to here, the workers' start-up, checkpoint load and first step after it
         started = next((e for e in events if e["event"] == "round_started" and e.get("round") == first.round), None)
         last_before = max(s.time for s in completed_steps(log.collectives) if s.round < first.round)
@@ -338,6 +345,7 @@ def run_scenario(fault: str, variant: str, args: argparse.Namespace) -> Result:
             fault,
             variant,
             first.time - fault_time,
+            back.time - fault_time if back else None,
             first.time - last_before,
             len(redone),
             first.world_size,
@@ -372,9 +380,9 @@ def agents_note(job: Job) -> str:
 
 def print_report(results: list[Result], args: argparse.Namespace) -> None:
     by_key = {(r.fault, r.variant): r for r in results}
-    header = ["fault", *(VARIANT_NAMES[v] + ": s / paused / redone / world" for v in args.variants)]
+    header = ["fault", *(VARIANT_NAMES[v] + ": s / back / paused / redone / world" for v in args.variants)]
     if len(args.variants) > 1:
-        header.append("paused: baseline / elastic-run")
+        header += ["back: baseline / elastic-run", "paused: baseline / elastic-run"]
     rows = [header]
     for fault in args.faults:
         found = [by_key.get((fault, variant)) for variant in args.variants]
@@ -382,7 +390,7 @@ def print_report(results: list[Result], args: argparse.Namespace) -> None:
             continue
         row = [f"{fault} ({FAULTS[fault]})", *(cell(r, args.deadline) for r in found)]
         if len(args.variants) > 1:
-            row.append(ratio(*found))
+            row += [ratio(*(r.back if r else None for r in found)), ratio(*(r.paused if r else None for r in found))]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     print()
@@ -406,13 +414,14 @@ def cell(result: Result | None, deadline: float) -> str:
         return "-"
     if result.seconds is None:
         return f"none in {deadline:.0f} s"
-    return f"{result.seconds:.2f} s / {result.paused:.2f} s / {result.redone} / {result.world_size}"
+    back = "-" if result.back is None else f"{result.back:.2f} s"
+    return f"{result.seconds:.2f} s / {back} / {result.paused:.2f} s / {result.redone} / {result.world_size}"
 
 
-def ratio(elastic: Result | None, baseline: Result | None) -> str:
-    if elastic is None or baseline is None or elastic.paused is None or baseline.paused is None:
+def ratio(elastic: float | None, baseline: float | None) -> str:
+    if elastic is None or baseline is None:
         return "-"
-    return f"{baseline.paused / elastic.paused:.1f}x"
+    return f"{baseline / elastic:.1f}x"
 
 
 def main(argv: list[str] | None = None) -> int:
