@@ -261,8 +261,10 @@ def wait_for_recovery(
     """The first step (at or past `from_step`) completed in a round after `after_round`, or None within
     `deadline_s` of the fault."""
     next_progress = time.time() + 15
+    unread = True  # what the log already holds counts too: the step may have been read by an earlier wait
     while time.time() < fault_time + deadline_s:
-        if log.read_new():
+        if log.read_new() or unread:
+            unread = False
             found = [s for s in completed_steps(log.collectives) if s.round > after_round and s.step >= from_step]
             if found:
                 return found[0]
