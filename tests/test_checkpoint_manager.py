@@ -170,13 +170,19 @@ def test_retention_keeps_newest_committed(tmp_path: Path) -> None:
     assert committed_steps(tmp_path) == [4, 5]
 
 
-def test_prune_never_drops_newest_committed_nor_a_newer_torn_save(tmp_path: Path) -> None:
-    save_steps(tmp_path, range(1, 3))
-    (tmp_path / "step-1" / COMMIT_FILE).unlink()  # torn, older than the newest committed
+def test_prune_never_drops_newest_committed_nor_a_newer_torn_save_nor_a_foreign_one(tmp_path: Path) -> None:
+    save_steps(tmp_path, range(1, 4), keep=4)
+    (tmp_path / "step-1" / COMMIT_FILE).unlink()  # whole, without a commit record: another tool's (foreign)
+    for name in (COMMIT_FILE, ".metadata"):
+        (tmp_path / "step-2" / name).unlink()  # torn, older than the newest committed
     (tmp_path / "step-5").mkdir()  # torn, newer: may be a save in flight
     deleted = prune(tmp_path, keep=1)
-    assert sorted(path.name for path in deleted) == ["step-0", "step-1"]
-    assert [(entry.step, entry.committed) for entry in scan(tmp_path)] == [(2, True), (5, False)]
+    assert sorted(path.name for path in deleted) == ["step-0", "step-2"]
+    assert [(entry.step, entry.state.value) for entry in scan(tmp_path)] == [
+        (1, "foreign"),
+        (3, "committed"),
+        (5, "torn"),
+    ]
     with pytest.raises(ValueError, match="keep must be at least 1"):
         prune(tmp_path, keep=0)
 

@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 DELETING_MARK = ".deleting-"
 UNREADABLE = "unreadable"  # committed, then found damaged
 FENCED = "fenced"  # committed by a save whose round was no longer current
+FOREIGN = "foreign"  # a whole checkpoint another tool wrote, in the way of a save of its step
 
 
 def set_aside(folder: Path, reason: str) -> Path:
@@ -55,4 +56,4 @@ def is_being_deleted(name: str) -> bool:
 
 
 def is_set_aside(name: str) -> bool:
-    return name.startswith("step-") and any(f".{reason}-" in name for reason in (UNREADABLE, FENCED))
+    return name.startswith("step-") and any(f".{reason}-" in name for reason in (UNREADABLE, FENCED, FOREIGN))

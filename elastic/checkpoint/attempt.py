@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import elastic
-from elastic.checkpoint.aside import FENCED, dispose, set_aside
+from elastic.checkpoint.aside import FENCED, FOREIGN, dispose, set_aside
 from elastic.checkpoint.durable import fsync_dir, write_durably
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.fence import Fence, ensure_current, read_fence
@@ -124,8 +124,9 @@ def discard_attempt(attempt: Attempt) -> None:
 def _clear_target(target: Path, fence: Fence | None) -> bool:
     """True when ``target`` is a committed checkpoint; otherwise make sure nothing is in the way.
 
-    A stale round's commit is set aside (it is a whole save, kept for people to look at); anything
-    else there is garbage left by hand or by an older version, and is deleted after a rename.
+    A stale round's commit and a whole checkpoint another tool wrote are set aside (kept for people to look
+    at or adopt); anything else there is garbage left by hand or by an older version, and is deleted after a
+    rename.
     """
     if not os.path.lexists(target):
         return False
@@ -136,8 +137,9 @@ def _clear_target(target: Path, fence: Fence | None) -> bool:
     entry = read_entry(target, fence)
     if entry.committed:
         return True
-    if entry.fenced:
-        logger.warning("set aside %s as %s: %s", target, set_aside(target, FENCED), entry.problem)
+    if entry.fenced or entry.foreign:
+        reason = FENCED if entry.fenced else FOREIGN
+        logger.warning("set aside %s as %s: %s", target, set_aside(target, reason), entry.problem)
     else:
         logger.warning("clearing %s before saving into it: %s", target, entry.problem)
         dispose(target)

@@ -1,4 +1,8 @@
-"""``elastic-ckpt``: list, inspect, convert and prune the checkpoints of a directory."""
+"""``elastic-ckpt``: list, inspect, convert, adopt and prune the checkpoints of a directory.
+
+``inspect`` and ``convert`` read committed checkpoints and foreign ones (whole DCP checkpoints another tool
+wrote, such as torchtitan's); ``adopt`` commits foreign ones so that a CheckpointManager loads them.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +15,14 @@ from pathlib import Path
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from elastic.checkpoint.adopt import adopt, adopt_all
 from elastic.checkpoint.aside import is_set_aside
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.fence import read_fence
-from elastic.checkpoint.integrity import read_metadata
+from elastic.checkpoint.integrity import read_metadata, writer_count
 from elastic.checkpoint.layout import (
     CheckpointEntry,
     folder_size,
-    read_commit_record,
     read_entry,
     scan,
     step_dir,
@@ -35,29 +39,39 @@ def _existing_directory(directory: Path) -> Path:
     return directory
 
 
-def _committed(directory: Path, step: int | None) -> Path:
-    """The committed folder of ``step``, or of the newest committed step when ``step`` is None."""
+def _readable(directory: Path, step: int | None) -> CheckpointEntry:
+    """The committed or foreign checkpoint of ``step``, or the newest of them when ``step`` is None."""
     if step is None:
-        committed = [entry for entry in scan(_existing_directory(directory)) if entry.committed]
-        if not committed:
-            raise CheckpointError(f"{directory} holds no committed checkpoint; run `{PROG} list {directory}`")
-        return committed[-1].path
+        readable = [entry for entry in scan(_existing_directory(directory)) if entry.committed or entry.foreign]
+        if not readable:
+            raise CheckpointError(
+                f"{directory} holds no committed or foreign checkpoint; run `{PROG} list {directory}`"
+            )
+        return readable[-1]
     folder = step_dir(_existing_directory(directory), step)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} does not exist; run `{PROG} list {directory}` to see the steps")
     entry = read_entry(folder, read_fence(directory))
-    if not entry.committed:
+    if not (entry.committed or entry.foreign):
         raise CheckpointError(entry.problem)
-    return folder
+    return entry
+
+
+def _world_size(entry: CheckpointEntry) -> int | None:
+    """The ranks that wrote ``entry``: its commit record's, or for a foreign one, its data files' count."""
+    if entry.record is not None:
+        return entry.record.world_size
+    return writer_count(read_metadata(entry.path)) if entry.foreign else None
 
 
 def _row(entry: CheckpointEntry) -> dict:
     record = entry.record
     return {
         "step": entry.step,
-        "state": entry.state,
-        "world_size": record.world_size if record else None,
+        "state": entry.state.value,
+        "world_size": _world_size(entry),
         "round": record.round if record else None,
+        "adopted": record.adopted if record else False,
         "bytes": folder_size(entry.path),
         "time": record.time.isoformat() if record else None,
         "path": str(entry.path),
@@ -89,14 +103,23 @@ def _human(size: float) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    folder = _committed(args.directory, args.step)
-    record = read_commit_record(folder)
-    made_by = f", round {record.round}, attempt {record.attempt}" if record.attempt else ""
-    print(
-        f"{folder}: step {record.step}, saved by {record.world_size} ranks at {record.time.isoformat()}, "
-        f"torch {record.torch_version}, elastic {record.elastic_version}{made_by}"
-    )
-    for key, item in sorted(read_metadata(folder).state_dict_metadata.items()):
+    entry = _readable(args.directory, args.step)
+    record = entry.record
+    if record is None:
+        writers = _world_size(entry)
+        print(
+            f"{entry.path}: step {entry.step}, foreign (a whole DCP checkpoint without a commit record), written by "
+            f"{writers if writers is not None else 'an unknown number of'} ranks; "
+            f"`{PROG} adopt {args.directory} {entry.step}` commits it"
+        )
+    else:
+        made_by = f", round {record.round}, attempt {record.attempt}" if record.attempt else ""
+        adopted = ", adopted" if record.adopted else ""
+        print(
+            f"{entry.path}: step {record.step}, saved by {record.world_size} ranks at {record.time.isoformat()}, "
+            f"torch {record.torch_version}, elastic {record.elastic_version}{made_by}{adopted}"
+        )
+    for key, item in sorted(read_metadata(entry.path).state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
             shape = "x".join(map(str, item.size)) or "scalar"
             print(f"  {key}  {str(item.properties.dtype).removeprefix('torch.')}  {shape}")
@@ -106,7 +129,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 def _convert(args: argparse.Namespace) -> None:
     if args.to_torch:
-        folder = _committed(args.directory, args.step)
+        folder = _readable(args.directory, args.step).path
         dcp_to_torch_save(folder, args.to_torch)
         print(f"wrote {args.to_torch} from {folder}")
         return
@@ -119,6 +142,19 @@ def _convert(args: argparse.Namespace) -> None:
     torch_save_to_dcp(args.from_torch, folder)
     write_commit_record(folder, args.step, world_size=1)
     print(f"wrote committed checkpoint {folder} from {args.from_torch}")
+
+
+def _adopt(args: argparse.Namespace) -> None:
+    directory = _existing_directory(args.directory)
+    if args.step is None:
+        adopted = adopt_all(directory)
+    else:
+        adopted = [step_dir(directory, args.step)]
+        adopt(adopted[0])
+    for folder in adopted:
+        print(f"adopted {folder}")
+    if not adopted:
+        print(f"{directory} holds no foreign checkpoint (a whole DCP checkpoint without a commit record)")
 
 
 def _prune(args: argparse.Namespace) -> None:
@@ -156,6 +192,11 @@ def _parser() -> argparse.ArgumentParser:
     direction.add_argument("--to-torch", type=Path, metavar="OUT.pt", help="write step STEP to OUT.pt")
     direction.add_argument("--from-torch", type=Path, metavar="IN.pt", help="make a new committed step STEP")
     converting.set_defaults(run=_convert)
+
+    adopting = commands.add_parser("adopt", help="commit whole DCP checkpoints another tool wrote, so they load")
+    adopting.add_argument("directory", type=Path)
+    adopting.add_argument("step", type=int, nargs="?", help="default: every foreign step")
+    adopting.set_defaults(run=_adopt)
 
     pruning = commands.add_parser("prune", help="delete all but the newest K committed checkpoints")
     pruning.add_argument("directory", type=Path)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from elastic.checkpoint.errors import CheckpointError
-from elastic.checkpoint.layout import DCP_METADATA_FILE
+
+DCP_METADATA_FILE = ".metadata"
+_DCP_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def read_metadata(folder: Path) -> Metadata:
@@ -63,3 +66,13 @@ def verify_readable(folder: Path, metadata_sha256: str | None = None) -> None:
                 f"{folder} cannot be read from here: data file {relative_path} has {size} bytes, "
                 f"the metadata needs {needed}; the file was cut short or is still being copied"
             )
+
+
+def writer_count(metadata: Metadata) -> int | None:
+    """How many ranks wrote a checkpoint, from the names of the data files DCP's FileSystemWriter gives each rank
+    (``__<rank>_<n>.distcp``); None when its files are named otherwise. A rank whose every value another rank
+    also wrote may write no file, so this can undercount: it is for checkpoints that carry no commit record."""
+    ranks = [_DCP_DATA_FILE.fullmatch(info.relative_path) for info in metadata.storage_data.values()]
+    if not ranks or not all(ranks):
+        return None
+    return 1 + max(int(match.group(1)) for match in ranks if match)

@@ -3,8 +3,9 @@
 A save writes into a folder of its own, ``step-<N>.attempt-e<epoch>-r<round>-<id>``, and is committed
 by writing ``commit.json`` into it and renaming it to ``step-<N>`` (see attempt.py), so a committed
 folder holds the files of exactly one save. A ``step-<N>`` folder counts only when it holds a valid
-``commit.json`` whose save the directory's fence admits (fence.py); anything else under that name
-(garbage, a folder committed by hand and then damaged, a stale round's commit) is never loaded.
+``commit.json`` whose save the directory's fence admits (fence.py); anything else under that name is never
+loaded: a stale round's commit (fenced), a whole DCP checkpoint another tool wrote (foreign: torchtitan, plain
+``dcp.save``; loaded once adopted, adopt.py), or a save that did not finish (torn).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import re
 from datetime import UTC, datetime
+from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,11 +25,12 @@ import elastic
 from elastic.checkpoint.durable import fsync_dir, write_durably
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.fence import Fence, read_fence
+from elastic.checkpoint.integrity import DCP_METADATA_FILE, metadata_digest, verify_readable
 
-__all__ = ["CheckpointError", "fsync_dir", "write_durably"]  # re-exported: older code imports them from here
+# re-exported: older code imports them from here
+__all__ = ["DCP_METADATA_FILE", "CheckpointError", "fsync_dir", "write_durably"]
 
 COMMIT_FILE = "commit.json"
-DCP_METADATA_FILE = ".metadata"
 _STEP_DIR_PATTERN = re.compile(r"step-(0|[1-9][0-9]*)")
 _ATTEMPT_DIR_PATTERN = re.compile(r"step-(0|[1-9][0-9]*)\.attempt-e([1-9][0-9]*)-r([0-9]+)-([0-9a-f]+)")
 
@@ -48,35 +51,47 @@ class CommitRecord(BaseModel):
     epoch: int | None = Field(None, description="the directory's fence epoch the save belonged to")
     attempt: str | None = Field(None, description="id of the save attempt, unique per save")
     metadata_sha256: str | None = Field(None, description="digest of the DCP .metadata that save wrote")
+    adopted: bool = Field(False, description="committed afterwards, as a whole checkpoint another tool wrote")
+
+
+class EntryState(str, Enum):
+    """What a ``step-<N>`` folder is, and so whether it loads."""
+
+    COMMITTED = "committed"  # a commit record the directory's fence admits: loaded
+    FENCED = "fenced"  # a commit record of a save whose round was no longer current: never loaded
+    FOREIGN = "foreign"  # whole DCP checkpoint without a commit record (another tool wrote it): loaded once adopted
+    TORN = "torn"  # a save that did not finish: no DCP .metadata, or a data file it names missing or short
 
 
 class CheckpointEntry(BaseModel):
-    """One ``step-<N>`` folder as found on disk; ``record`` is None when it is torn, and ``problem`` says why.
-
-    A fenced entry has a commit record, but of a save whose round was no longer current (fence.py).
-    """
+    """One ``step-<N>`` folder as found on disk; ``record`` is its commit record, and ``problem`` says why it
+    is not committed."""
 
     model_config = ConfigDict(frozen=True)
 
     step: int
     path: Path
+    state: EntryState
     record: CommitRecord | None = None
     problem: str | None = None
-    fenced: bool = False
 
     @property
     def committed(self) -> bool:
-        return self.record is not None and not self.fenced
+        return self.state is EntryState.COMMITTED
 
     @property
-    def state(self) -> str:
-        return "committed" if self.committed else "fenced" if self.fenced else "torn"
+    def fenced(self) -> bool:
+        return self.state is EntryState.FENCED
+
+    @property
+    def foreign(self) -> bool:
+        return self.state is EntryState.FOREIGN
 
     @property
     def key(self) -> str:
         """What identifies this commit across renames: its attempt id, or its name and time for hand-made ones."""
         if self.record is None:
-            return f"{self.path.name}@torn"  # nothing to identify: torn entries are never kept track of
+            return f"{self.path.name}@{self.state.value}"  # nothing to identify: never kept track of
         return self.record.attempt or f"{self.path.name}@{self.record.time.isoformat()}"
 
 
@@ -112,12 +127,15 @@ def parse_attempt(name: str) -> AttemptName | None:
     return AttemptName(int(step), int(epoch), int(round_), attempt)
 
 
-def write_commit_record(step_dir: str | os.PathLike, step: int, world_size: int) -> CommitRecord:
+def write_commit_record(
+    step_dir: str | os.PathLike, step: int, world_size: int, *, adopted: bool = False
+) -> CommitRecord:
     """Commit a finished DCP checkpoint folder in place (one written by plain ``dcp.save``, or by hand).
 
     Call it on one rank only, after ``dcp.save`` returned on every rank. The record names no save
     attempt, so the directory's fence always admits it: this is for people adopting checkpoints, while
-    CheckpointManager commits its own saves through attempt folders (attempt.py).
+    CheckpointManager commits its own saves through attempt folders (attempt.py). It records the digest of
+    the folder's DCP metadata, so a later replacement of that file is caught before a load.
     """
     folder = Path(step_dir)
     if not (folder / DCP_METADATA_FILE).is_file():
@@ -131,6 +149,8 @@ def write_commit_record(step_dir: str | os.PathLike, step: int, world_size: int)
         time=datetime.now(UTC),
         torch_version=torch.__version__,
         elastic_version=elastic.__version__,
+        metadata_sha256=metadata_digest(folder),
+        adopted=adopted,
     )
     write_durably(folder / COMMIT_FILE, record.model_dump_json(indent=2).encode())
     fsync_dir(folder.parent)  # the step folder's own entry must survive a crash too
@@ -145,7 +165,7 @@ def read_commit_record(folder: Path) -> CommitRecord:
     try:
         record = CommitRecord.model_validate(json.loads((folder / COMMIT_FILE).read_bytes()))
     except FileNotFoundError:
-        raise CheckpointError(f"{folder} is torn: it has no {COMMIT_FILE} (the save did not finish)") from None
+        raise CheckpointError(f"{folder} is not committed: it has no {COMMIT_FILE}") from None
     except (OSError, ValueError, ValidationError) as error:
         reason = str(error).splitlines()[0]
         raise CheckpointError(f"{folder} is torn: its {COMMIT_FILE} is unreadable ({reason})") from None
@@ -161,17 +181,36 @@ def read_entry(folder: Path, fence: Fence | None) -> CheckpointEntry:
     step = parse_step(folder.name)
     if step is None:
         raise CheckpointError(f"{folder} is not a checkpoint folder: its name must be step-<N>")
+    if not (folder / COMMIT_FILE).exists():
+        return _uncommitted(folder, step)
     try:
         record = read_commit_record(folder)
     except CheckpointError as error:
-        return CheckpointEntry(step=step, path=folder, problem=str(error))
+        return CheckpointEntry(step=step, path=folder, state=EntryState.TORN, problem=str(error))
     if fence is not None and not fence.admits(record.epoch, record.attempt):
         problem = (
             f"{folder} was committed by a save of epoch {record.epoch} (round {record.round}, attempt "
             f"{record.attempt}) after {fence.describe()} took the directory over: its round was no longer current"
         )
-        return CheckpointEntry(step=step, path=folder, record=record, problem=problem, fenced=True)
-    return CheckpointEntry(step=step, path=folder, record=record)
+        return CheckpointEntry(step=step, path=folder, state=EntryState.FENCED, record=record, problem=problem)
+    return CheckpointEntry(step=step, path=folder, state=EntryState.COMMITTED, record=record)
+
+
+def _uncommitted(folder: Path, step: int) -> CheckpointEntry:
+    """A step folder without a commit record: foreign when its DCP checkpoint is whole, torn otherwise."""
+    if not (folder / DCP_METADATA_FILE).is_file():
+        problem = f"{folder} is torn: it has no {COMMIT_FILE} and no DCP {DCP_METADATA_FILE} (the save did not finish)"
+        return CheckpointEntry(step=step, path=folder, state=EntryState.TORN, problem=problem)
+    try:
+        verify_readable(folder)
+    except CheckpointError as error:
+        problem = f"{folder} is torn: it has no {COMMIT_FILE}, and {error}"
+        return CheckpointEntry(step=step, path=folder, state=EntryState.TORN, problem=problem)
+    problem = (
+        f"{folder} is a whole DCP checkpoint without a {COMMIT_FILE} (another tool wrote it); "
+        f"adopt it with `elastic-ckpt adopt {folder.parent}` to load it"
+    )
+    return CheckpointEntry(step=step, path=folder, state=EntryState.FOREIGN, problem=problem)
 
 
 def scan(directory: str | os.PathLike) -> list[CheckpointEntry]:

@@ -4,28 +4,40 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic.checkpoint.aside import UNREADABLE, set_aside
+from elastic.checkpoint.entry_rules import (
+    REGENERATE_METHOD,
+    Load,
+    RankView,
+    Refuse,
+    Regenerate,
+    SavedEntry,
+    decide,
+    is_world_size_key,
+    rank_view,
+    world_sizes,
+)
 from elastic.checkpoint.errors import CheckpointError, UnreadableDataError
-from elastic.checkpoint.foreign_state import REGENERATE_METHOD, split_entries, summarize_keys
-from elastic.checkpoint.integrity import verify_readable
+from elastic.checkpoint.integrity import read_metadata, verify_readable, writer_count
 from elastic.checkpoint.layout import CheckpointEntry, scan
 from elastic.checkpoint.ranks import Ranks
 from elastic.checkpoint.reader import CheckpointReader
+from elastic.checkpoint.torch_internals import flat_keys
 
 logger = logging.getLogger(__name__)
 
 
 class Loaded(NamedTuple):
-    entry: CheckpointEntry | None  # None when nothing is committed
+    entry: CheckpointEntry | None  # None when nothing could be loaded
     listed: set[str]  # keys of the committed checkpoints the listing found
 
 
@@ -34,8 +46,16 @@ def state_dicts(state: dict[str, Any]) -> dict[str, Any]:
     return {name: value.state_dict() if isinstance(value, Stateful) else value for name, value in state.items()}
 
 
-def load_newest(ranks: Ranks, directory: Path, state: dict[str, Any]) -> Loaded:
-    """Load the newest committed checkpoint of ``directory`` that every rank can read into ``state``, in place.
+def load_newest(
+    ranks: Ranks,
+    directory: Path,
+    state_at: Callable[[int], dict[str, Any]],
+    foreign: bool = False,
+    step: int | None = None,
+) -> Loaded:
+    """Load the newest committed checkpoint of ``directory`` that every rank can read, in place, into the state
+    ``state_at(step)`` gives for its step; with ``foreign``, whole checkpoints another tool wrote (no commit record)
+    count too, and are read as they are. With ``step``, only that step's checkpoint is a candidate.
 
     A checkpoint that no rank can read, or whose data fails to decode, is skipped, and set aside once
     an older one loaded: it then neither blocks saving its step again nor counts for retention. While
@@ -43,16 +63,22 @@ def load_newest(ranks: Ranks, directory: Path, state: dict[str, Any]) -> Loaded:
     only some ranks cannot read is skipped but left in place: the storage, not it, is at fault.
     """
     entries = ranks.agree(lambda: scan(directory), f"listing {directory}", only_rank0=True)
+    candidates = [entry for entry in entries if entry.committed or (foreign and entry.foreign)]
     if ranks.rank == 0:
         for entry in entries:
-            if not entry.committed:
-                logger.warning("skipping %s checkpoint %s: %s", entry.state, entry.path, entry.problem)
-    committed = [entry for entry in entries if entry.committed]
-    listed = {entry.key for entry in committed}
+            if entry not in candidates:
+                logger.warning("skipping %s checkpoint %s: %s", entry.state.value, entry.path, entry.problem)
+    if step is not None:
+        candidates = [entry for entry in candidates if entry.step == step]
+        if not candidates:
+            raise CheckpointError(
+                f"{directory} holds no loadable checkpoint of step {step}; its steps: {_steps(entries)}"
+            )
+    listed = {entry.key for entry in entries if entry.committed}
     damaged: list[tuple[CheckpointEntry, str]] = []
-    for entry in reversed(committed):
-        assert entry.record is not None  # a committed entry has a commit record
-        problems = ranks.problems(functools.partial(verify_readable, entry.path, entry.record.metadata_sha256))
+    for entry in reversed(candidates):
+        digest = entry.record.metadata_sha256 if entry.record is not None else None
+        problems = ranks.problems(functools.partial(verify_readable, entry.path, digest))
         failed = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
         if failed and len(failed) < len(problems):
             if ranks.rank == 0:
@@ -66,25 +92,30 @@ def load_newest(ranks: Ranks, directory: Path, state: dict[str, Any]) -> Loaded:
                     problem,
                 )
             continue
-        damage = failed[0][1] if failed else _try_load(ranks, entry, state)
+        damage = failed[0][1] if failed else _try_load(ranks, entry, state_at(entry.step))
         if damage is None:
             _set_aside_damaged(ranks, damaged)
             return Loaded(entry, listed)
         if ranks.rank == 0:
             logger.warning("checkpoint %s cannot be read: %s", entry.path, damage)
         damaged.append((entry, damage))
-    if committed:
+    if candidates:
+        kind = "committed or foreign" if foreign else "committed"
         raise CheckpointError(
-            f"none of the {len(committed)} committed checkpoints in {directory} can be read on every rank "
+            f"none of the {len(candidates)} {kind} checkpoints in {directory} can be read on every rank "
             "(see the warnings above); fix the storage, or move them away to start from scratch"
         )
     return Loaded(None, listed)
 
 
+def _steps(entries: list[CheckpointEntry]) -> str:
+    return ", ".join(f"{entry.step} ({entry.state.value})" for entry in entries) or "none"
+
+
 def _try_load(ranks: Ranks, entry: CheckpointEntry, state: dict[str, Any]) -> str | None:
     """Load ``entry``; None when it loaded, why not when its data is damaged. Other failures are raised."""
     try:
-        load_folder(ranks, entry.path, entry.step, state)
+        load_folder(ranks, entry.path, entry.step, state, saved_world_size(entry))
     except CheckpointException as error:  # DCP raises it on every rank, with every rank's failure
         for _, (failure, _) in sorted(error.failures.items()):
             if isinstance(failure, UnreadableDataError):
@@ -94,15 +125,45 @@ def _try_load(ranks: Ranks, entry: CheckpointEntry, state: dict[str, Any]) -> st
 
 
 def load_folder(
-    ranks: Ranks, folder: Path, step: int, state: dict[str, Any], reader: type[CheckpointReader] = CheckpointReader
+    ranks: Ranks,
+    folder: Path,
+    step: int,
+    state: dict[str, Any],
+    saved_world_size: int | None,
+    reader: type[CheckpointReader] = CheckpointReader,
 ) -> None:
     """Load the DCP checkpoint of ``step`` in ``folder`` (a committed step-<N>, or a snapshot in memory, read
-    with its own ``reader``) into ``state``, in place, at this world size; entries saved in a foreign layout are
-    regenerated from ``step``."""
+    with its own ``reader``) into ``state``, in place, at this world size. Whether each entry is loaded or
+    regenerated from ``step`` is decided alike on every rank (entry_rules.py) from every rank's view of it and
+    the world size the checkpoint was saved at (``saved_world_size``, None when unknown); an entry the
+    checkpoint cannot serve raises CheckpointError on every rank, before any rank loads."""
     dicts = state_dicts(state)
-    metadata = FileSystemReader(folder).read_metadata()
-    to_regenerate = split_entries(state, dicts, metadata.state_dict_metadata, folder)
-    loadable = {name: value for name, value in dicts.items() if name not in to_regenerate}
+    saved_keys = _keys_by_entry(reader(folder).read_metadata().state_dict_metadata, dicts)
+    recorded: dict[str, tuple[tuple[str, int], ...]] = {}
+    if any(is_world_size_key(key) for keys in saved_keys.values() for key in keys):
+        recorded = ranks.agree(
+            lambda: _recorded_world_sizes(folder, reader, saved_keys),
+            f"reading the world sizes recorded in {folder}",
+            only_rank0=True,
+        )
+    views: list[dict[str, RankView]] = ranks.gather(
+        {name: _view(state[name], name, value, saved_keys[name]) for name, value in dicts.items()}
+    )
+    decisions = {
+        name: decide(
+            name,
+            SavedEntry(tuple(saved_keys[name]), recorded.get(name, ())),
+            [rank_views[name] for rank_views in views],
+            saved_world_size,
+            ranks.world_size,
+        )
+        for name in dicts
+    }
+    refusals = [decision.message for decision in decisions.values() if isinstance(decision, Refuse)]
+    if refusals:
+        more = f" (and {len(refusals) - 1} more state entries it cannot serve)" if len(refusals) > 1 else ""
+        raise CheckpointError(f"{folder} {refusals[0]}{more}")
+    loadable = {name: dicts[name] for name, decision in decisions.items() if isinstance(decision, Load)}
     dcp.load(
         loadable,
         storage_reader=reader(folder),
@@ -115,17 +176,50 @@ def load_folder(
             state[name].load_state_dict(loaded)
         else:
             state[name] = loaded
-    for name, foreign_keys in to_regenerate.items():
-        getattr(state[name], REGENERATE_METHOD)(step)
-        if ranks.rank == 0:
-            logger.warning(
-                "%s holds %s for state entry %r, not its keys; regenerated %r from global step %d",
-                folder,
-                summarize_keys(foreign_keys) or "nothing",
-                name,
-                name,
-                step,
-            )
+    for name, decision in decisions.items():
+        if isinstance(decision, Regenerate):
+            getattr(state[name], REGENERATE_METHOD)(step)
+            if ranks.rank == 0:
+                logger.warning("%s %s; regenerated %r from global step %d", folder, decision.reason, name, step)
+
+
+def saved_world_size(entry: CheckpointEntry) -> int | None:
+    """How many ranks saved ``entry``: its commit record says; a foreign one's data files tell."""
+    if entry.record is not None:
+        return entry.record.world_size
+    return writer_count(read_metadata(entry.path))
+
+
+def _keys_by_entry(saved: Iterable[str], entries: Iterable[str]) -> dict[str, list[str]]:
+    """The checkpoint's flat keys under each entry name (the name itself, or the name and a dot before more)."""
+    names = set(entries)
+    by_entry: dict[str, list[str]] = {name: [] for name in names}
+    for key in saved:
+        parts = key.split(".")
+        prefixes = (".".join(parts[:end]) for end in range(1, len(parts) + 1))
+        owner = next((prefix for prefix in prefixes if prefix in names), None)
+        if owner is not None:
+            by_entry[owner].append(key)
+    return by_entry
+
+
+def _view(entry: Any, name: str, entry_state: Any, saved: list[str]) -> RankView:
+    flat = flat_keys({name: entry_state})
+    regenerable = callable(getattr(entry, REGENERATE_METHOD, None))
+    return rank_view(flat.keys(), saved, type(entry).__name__, regenerable, world_sizes(flat))
+
+
+def _recorded_world_sizes(
+    folder: Path, reader: type[CheckpointReader], saved_keys: dict[str, list[str]]
+) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The world sizes each entry recorded in the checkpoint, read on this rank alone (they are small values)."""
+    wanted: dict[str, Any] = {key: None for keys in saved_keys.values() for key in keys if is_world_size_key(key)}
+    dcp.load(wanted, storage_reader=reader(folder), no_dist=True)
+    return {
+        name: recorded
+        for name, keys in saved_keys.items()
+        if (recorded := world_sizes({key: wanted[key] for key in keys if key in wanted}))
+    }
 
 
 def _set_aside_damaged(ranks: Ranks, damaged: list[tuple[CheckpointEntry, str]]) -> None:

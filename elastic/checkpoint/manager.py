@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from elastic.checkpoint.adopt import adopt_all
 from elastic.checkpoint.attempt import (
     Attempt,
     commit_attempt,
@@ -58,6 +59,9 @@ class CheckpointConfig(BaseModel):
     memory_every: int = Field(
         0, ge=0, description="also snapshot into the nodes' memory every this many steps, under elastic-run (0: never)"
     )
+    adopt_foreign: bool = Field(
+        False, description="commit whole DCP checkpoints another tool wrote (no commit.json) at load, so they load"
+    )
 
 
 @dataclass
@@ -80,6 +84,7 @@ class CheckpointManager:
         check_at_start: bool = True,
         every: int = 0,
         memory_every: int = 0,
+        adopt_foreign: bool = False,
     ) -> None:
         self.config = CheckpointConfig(
             directory=Path(directory),
@@ -88,6 +93,7 @@ class CheckpointManager:
             check_at_start=check_at_start,
             every=every,
             memory_every=memory_every,
+            adopt_foreign=adopt_foreign,
         )
         # Which round saves (recorded in every commit), and the directory's epoch this manager claims
         # at its first save; a newer manager's claim fences this one's commits out (fence.py).
@@ -125,15 +131,25 @@ class CheckpointManager:
         Returns its step, or None when there is none (after saving step 0 unless ``check_at_start`` is off).
         A committed checkpoint that no rank can read is set aside (``step-<N>.unreadable-<time>``) once
         an older one loaded. Loading claims nothing, so a job that only loads never fences out a trainer.
+        A whole checkpoint another tool wrote (no ``commit.json``: torchtitan's, plain ``dcp.save``'s) is neither
+        loaded nor deleted, unless ``adopt_foreign`` commits it first (adopt.py).
         """
         self._ensure_open()
         self.wait()
         started = time.monotonic()
+        if self.config.adopt_foreign:
+            adopted = self._ranks.agree(
+                lambda: adopt_all(self.directory),
+                f"adopting the foreign checkpoints of {self.directory}",
+                only_rank0=True,
+            )
+            if adopted and self._ranks.rank == 0:
+                logger.info("adopted %d foreign checkpoint(s): %s", len(adopted), ", ".join(map(str, adopted)))
         if self._memory is not None:
             step = self._load_from_memory(state)
             if step is not None:
                 return step
-        entry, self._seen_at_load = load_newest(self._ranks, self.directory, state)
+        entry, self._seen_at_load = load_newest(self._ranks, self.directory, lambda _: state)
         if entry is None:
             if self.config.check_at_start:
                 self._check_directory_at_start(state)

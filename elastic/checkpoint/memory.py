@@ -187,7 +187,7 @@ class MemorySnapshots:
         self._ranks.agree(
             lambda: self._assemble(record, folder, inventories), f"gathering the memory snapshot of step {record.step}"
         )
-        load_folder(self._ranks, folder, record.step, state, SnapshotReader)
+        load_folder(self._ranks, folder, record.step, state, record.world_size, SnapshotReader)
         logger.info(
             "loaded step %d from memory (saved by %d ranks, now %d) in %.2fs",
             record.step,

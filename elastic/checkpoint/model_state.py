@@ -2,6 +2,12 @@
 
 ``get_state_dict``/``set_state_dict`` give DTensor shards for FSDP2, plain tensors for DDP and plain
 modules, and fully-qualified optimizer keys, which is what lets DCP reshard on load.
+
+That API maps every key of ``module.state_dict()`` back to a parameter or buffer by name. A module whose
+state-dict hooks rename or split parameters (torchtitan's fused QKV projection saves ``wqkv`` as ``wq``, ``wk``
+and ``wv``) has keys that name none, so for such a module the model part goes through the module's own
+``state_dict``/``load_state_dict``, hooks and all, as torchtitan itself saves it: with FSDP2 its values are
+DTensors, which DCP reshards the same way. The optimizers still go through torch's API, keyed by parameter name.
 """
 
 from __future__ import annotations
@@ -13,14 +19,29 @@ import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
+_EXTRA_STATE = "_extra_state"
+
+
+def renamed_keys(model: torch.nn.Module) -> list[str]:
+    """Keys of ``model.state_dict()`` that name no parameter or buffer of it: its state-dict hooks made them."""
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        return []  # FSDP1 renames its flat parameters by design, and torch's API knows how
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names.update(name for name, _ in model.named_buffers(remove_duplicate=False))
+    return [
+        key for key in model.state_dict(keep_vars=True) if key not in names and key.rsplit(".", 1)[-1] != _EXTRA_STATE
+    ]
 
 
 class ModelState(Stateful):
@@ -35,14 +56,25 @@ class ModelState(Stateful):
         self.model = model
         self.optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
         self.options = options
+        self._own_keys: bool | None = None  # whether the model's state-dict hooks rename keys; known at first use
 
     def state_dict(self) -> dict[str, Any]:
+        if self._keys_are_the_models_own():
+            model_state = self.model.state_dict()
+            if not self.optimizers:
+                return {MODEL_KEY: model_state}
+            return {MODEL_KEY: model_state, OPTIMIZER_KEY: get_optimizer_state_dict(self.model, self.optimizers)}
         if not self.optimizers:
             return {MODEL_KEY: get_model_state_dict(self.model, options=self.options)}
         model_state, optimizer_state = get_state_dict(self.model, self.optimizers, options=self.options)
         return {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._keys_are_the_models_own():
+            self.model.load_state_dict(state_dict[MODEL_KEY])
+            if self.optimizers:
+                set_optimizer_state_dict(self.model, self.optimizers, state_dict[OPTIMIZER_KEY])
+            return
         if not self.optimizers:
             set_model_state_dict(self.model, state_dict[MODEL_KEY], options=self.options)
             return
@@ -53,3 +85,16 @@ class ModelState(Stateful):
             optim_state_dict=state_dict[OPTIMIZER_KEY],
             options=self.options,
         )
+
+    def _keys_are_the_models_own(self) -> bool:
+        """True when the model's state-dict hooks rename keys, so its own state_dict must be used."""
+        if self._own_keys is None:
+            renamed = renamed_keys(self.model)
+            if renamed and self.options is not None:
+                raise ValueError(
+                    f"ModelState(options=...) cannot be honoured for {type(self.model).__name__}: its state-dict "
+                    f"hooks rename parameters (e.g. {renamed[0]!r}), which torch's distributed state-dict API "
+                    "cannot map back; drop options to save the module's own state_dict"
+                )
+            self._own_keys = bool(renamed)
+        return self._own_keys

@@ -6,7 +6,8 @@
 - A stale round's commit (fenced) is set aside: it is a whole save, but one that does not count.
 - Torn ``step-<N>`` folders older than the newest committed one are deleted: no save writes into a
   ``step-<N>`` folder itself, so nothing can still be writing them. Newer ones stay (an older
-  version of this library may be saving into one).
+  version of this library may be saving into one). Foreign ones (whole checkpoints another tool wrote)
+  are never touched: they count once adopted.
 - Attempt folders of epochs older than the directory's current one are deleted: their manager has
   lost the directory, so they can never be committed; a writer still writing them writes into the
   renamed tree (aside.py).
@@ -24,7 +25,7 @@ from elastic.checkpoint.aside import FENCED, UNREADABLE, dispose, is_being_delet
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.fence import read_fence
 from elastic.checkpoint.integrity import verify_readable
-from elastic.checkpoint.layout import CheckpointEntry, attempts, scan
+from elastic.checkpoint.layout import CheckpointEntry, EntryState, attempts, scan
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +53,11 @@ def prune(directory: str | os.PathLike, keep: int, verified: set[str] | None = N
             "set aside unreadable checkpoint %s as %s: %s", entry.path, set_aside(entry.path, UNREADABLE), problem
         )
     newest = kept[0].step
-    doomed += [entry for entry in entries if entry.record is None and entry.step < newest]
+    doomed += [entry for entry in entries if entry.state is EntryState.TORN and entry.step < newest]
     deleted = [entry.path for entry in doomed]
     for entry in doomed:
         dispose(entry.path)
-        logger.info("deleted %s checkpoint %s", entry.state, entry.path)
+        logger.info("deleted %s checkpoint %s", entry.state.value, entry.path)
     deleted += _drop_abandoned_attempts(Path(directory))
     return deleted
 
