@@ -1,15 +1,26 @@
-"""Adopting checkpoints written by plain dcp.save, and entries saved in another layout (per-rank dataloader keys)."""
+"""Adopting checkpoints written by plain dcp.save, and entries saved in another layout (per-rank dataloader keys).
+
+The seed's story with torchtitan's dataloader layout, ``{"dp_rank_<r>": ..., "world_size": <dp>}``: saved by 8
+ranks with plain ``dcp.save`` as torchtitan saves, loaded at 16 (and at 8) in real processes.
+"""
 
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from equality import assert_identical
+from multiproc import run_ranks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
 
 from elastic.checkpoint import CheckpointError, CheckpointManager, ModelState, write_commit_record
+from elastic.sampling import ElasticSampler, SamplingConfig
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -108,3 +119,100 @@ def test_entry_present_in_the_checkpoint_loads_normally(tmp_path: Path) -> None:
 def test_commit_record_refuses_an_unfinished_save(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"no DCP \.metadata"):
         write_commit_record(tmp_path, 3, world_size=2)
+
+
+SAMPLING = SamplingConfig(dataset_size=1000, global_batch=48, seed=3)
+
+
+class TorchtitanLayoutLoader:
+    """torchtitan's dataloader state layout over an ElasticSampler, able to regenerate; records what it did."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.sampler = ElasticSampler(SAMPLING, rank, world_size)
+        self.loaded = False
+        self.regenerated_from: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"dp_rank_{self.rank}": pickle.dumps(self.sampler.state_dict()), "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = True
+        self.sampler.load_state_dict(pickle.loads(state[f"dp_rank_{self.rank}"]))
+
+    def regenerate_state(self, step: int) -> None:
+        self.regenerated_from = step
+        self.sampler.regenerate_state(step)
+
+
+def sharded_model(seed: int) -> ModelState:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    return ModelState(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+
+
+def full_values(entry: ModelState) -> dict[str, Any]:
+    model_state, optimizer_state = get_state_dict(
+        entry.model, entry.optimizers, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save_as_torchtitan(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Plain dcp.save of the model and torchtitan's per-rank dataloader layout after STEP steps: a foreign step."""
+    model = sharded_model(seed=0)
+    loader = TorchtitanLayoutLoader(rank, world_size)
+    for step in range(STEP):
+        torch.manual_seed(step * 100 + rank)
+        model.model(torch.randn(4, 6)).square().mean().backward()
+        model.optimizers[0].step()
+        model.optimizers[0].zero_grad()
+        loader.sampler.complete_step()
+    dcp.save({"model": model, "dataloader": loader}, checkpoint_id=Path(directory) / f"step-{STEP}")
+    return {**full_values(model), "next": loader.sampler.step_plan()}
+
+
+def load_at(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    model = sharded_model(seed=1 + rank)
+    loader = TorchtitanLayoutLoader(rank, world_size)
+    manager = CheckpointManager(directory, check_at_start=False, adopt_foreign=True)
+    step = manager.load_latest({"model": model, "dataloader": loader})
+    manager.close()
+    return {
+        "step": step,
+        "loaded": loader.loaded,
+        "regenerated_from": loader.regenerated_from,
+        "next": loader.sampler.step_plan(),
+        **full_values(model),
+    }
+
+
+@pytest.fixture(scope="module")
+def saved_by_8(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    directory = tmp_path_factory.mktemp("saved-by-8")
+    return directory, run_ranks(8, save_as_torchtitan, str(directory), timeout=120)
+
+
+@pytest.mark.timeout(240)
+def test_seeds_story_8_to_16_regenerates_every_ranks_data_position(saved_by_8) -> None:
+    directory, saved = saved_by_8
+    loaded = run_ranks(16, load_at, str(directory), timeout=180)
+    assert {result["step"] for result in loaded} == {STEP}
+    assert [(result["loaded"], result["regenerated_from"]) for result in loaded] == [(False, STEP)] * 16
+    assert_identical(
+        {key: loaded[0][key] for key in ("model", "optimizer")},
+        {"model": saved[0]["model"], "optimizer": saved[0]["optimizer"]},
+    )
+    # the 16 new ranks' next step is the global batch an uninterrupted run takes next, each sample once
+    drawn = [index for result in loaded for micro_batch in result["next"] for index in micro_batch.indices]
+    assert drawn == ElasticSampler(SAMPLING, 0, 1).global_batch(STEP * SAMPLING.global_batch)
+
+
+@pytest.mark.timeout(240)
+def test_at_8_again_every_rank_loads_its_own_position_exactly(saved_by_8) -> None:
+    directory, saved = saved_by_8
+    loaded = run_ranks(8, load_at, str(directory), timeout=180)
+    assert [(result["loaded"], result["regenerated_from"]) for result in loaded] == [(True, None)] * 8
+    assert [result["next"] for result in loaded] == [rank_saved["next"] for rank_saved in saved]

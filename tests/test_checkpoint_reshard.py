@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from equality import assert_identical
 from multiproc import run_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -61,22 +62,6 @@ def load_resharded(rank: int, world_size: int, directory: str) -> tuple[int | No
     manager.close()
     loaded = full_state(model, optimizer)
     return step, loaded if rank == 0 else None
-
-
-def assert_identical(actual: Any, expected: Any, path: str = "") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, path
-        assert torch.equal(actual, expected), f"{path} differs after the load"
-    elif isinstance(expected, dict):
-        assert set(actual) == set(expected), f"{path}: keys {sorted(actual)} != {sorted(expected)}"
-        for key in expected:
-            assert_identical(actual[key], expected[key], f"{path}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), path
-        for index, (got, want) in enumerate(zip(actual, expected)):
-            assert_identical(got, want, f"{path}.{index}")
-    else:
-        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
 
 
 @pytest.fixture(scope="module")
