@@ -152,6 +152,33 @@ def elastic_dataloader(tokens: str, rank: int, world_size: int) -> ElasticDataLo
     )
 
 
+def torchtitan_dataloader(rank: int, world_size: int) -> ParallelAwareDataloader:
+    return ParallelAwareDataloader(
+        SampleIds(rank, world_size), dp_rank=rank, dp_world_size=world_size, batch_size=LOCAL_BATCH
+    )
+
+
+def checkpointer_as_the_trainer_builds_it(
+    manager: type[CheckpointManager],
+    dump_folder: str,
+    model: nn.Module,
+    optimizers: OptimizersContainer,
+    lr_schedulers: LRSchedulersContainer,
+    dataloader: Any,
+    train_state: TrainState,
+) -> CheckpointManager:
+    """From its config, with the components and the ``train_state`` entry torchtitan's Trainer gives it."""
+    return manager.Config(enable=True, folder="checkpoint", interval=5).build(
+        dataloader=dataloader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=dump_folder,
+    )
+
+
 def one_step(dataloader: ElasticDataLoader, world_size: int) -> torch.Tensor:
     """This rank's inputs of the next step: its micro-batches (torchtitan's gradient accumulation), in order."""
     batches = iter(dataloader)
@@ -164,18 +191,10 @@ def torchtitan_saves(rank: int, world_size: int, dump_folder: str) -> dict[str, 
     model = tiny_llama(seed=0)
     optimizers = optimizers_for(model)
     lr_schedulers = lr_schedulers_for(optimizers)
-    dataloader = ParallelAwareDataloader(
-        SampleIds(rank, world_size), dp_rank=rank, dp_world_size=world_size, batch_size=LOCAL_BATCH
-    )
+    dataloader = torchtitan_dataloader(rank, world_size)
     train_state = TrainState()
-    checkpointer = CheckpointManager.Config(enable=True, folder="checkpoint", interval=5).build(
-        dataloader=dataloader,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=lr_schedulers,
-        states={"train_state": train_state},
-        sd_adapter=None,
-        base_folder=dump_folder,
+    checkpointer = checkpointer_as_the_trainer_builds_it(
+        CheckpointManager, dump_folder, model, optimizers, lr_schedulers, dataloader, train_state
     )
     batches = iter(dataloader)
     for step in range(1, SAVED_STEP + 1):
@@ -195,9 +214,7 @@ def elastic_loads(rank: int, world_size: int, checkpoint_dir: str, tokens: str, 
     dataloader: Any = {
         "elastic": lambda: elastic_dataloader(tokens, rank, world_size),
         "recording": lambda: RecordingDataloader(rank, world_size),
-        "torchtitan": lambda: ParallelAwareDataloader(
-            SampleIds(rank, world_size), dp_rank=rank, dp_world_size=world_size, batch_size=LOCAL_BATCH
-        ),
+        "torchtitan": lambda: torchtitan_dataloader(rank, world_size),
     }[loader]()
     train_state = TrainState()
     try:
@@ -295,14 +312,8 @@ def trainer_hook_resumes(rank: int, world_size: int, dump_folder: str, tokens: s
     lr_schedulers = lr_schedulers_for(optimizers)
     dataloader = elastic_dataloader(tokens, rank, world_size)
     train_state = TrainState()
-    checkpointer = ElasticCheckpointManager.Config(enable=True, folder="checkpoint", interval=5).build(
-        dataloader=dataloader,
-        model_parts=[model],
-        optimizers=optimizers,
-        lr_schedulers=lr_schedulers,
-        states={"train_state": train_state},
-        sd_adapter=None,
-        base_folder=dump_folder,
+    checkpointer = checkpointer_as_the_trainer_builds_it(
+        ElasticCheckpointManager, dump_folder, model, optimizers, lr_schedulers, dataloader, train_state
     )
     assert checkpointer.load()
     resumed = {"step": train_state.step, **values(model, optimizers, lr_schedulers)}
