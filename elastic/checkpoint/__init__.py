@@ -4,7 +4,9 @@ Each checkpoint is a folder ``<directory>/step-<N>`` written by DCP into a folde
 attempt and published by rank 0, once every rank's data and DCP's metadata are durable, by writing
 ``commit.json`` into it and renaming it to ``step-<N>``. A save of a round that is no longer current
 never commits (fence.py). Tensor state is plain DCP, so any world size can load it and ``dcp.load``
-reads it directly::
+reads it directly. Whether a load takes each state entry from the checkpoint or regenerates it from the step is
+decided alike on every rank (entry_rules.py); a whole DCP checkpoint another tool wrote (torchtitan's) is foreign
+until adopted (adopt.py)::
 
     mgr = CheckpointManager(directory, keep=3, async_save=True, every=50)
     state = {"model": ModelState(model, optimizer), "train": my_stateful}
