@@ -14,8 +14,7 @@ from pathlib import Path
 
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.fence import read_fence
-from elastic.checkpoint.integrity import read_metadata, writer_count
-from elastic.checkpoint.layout import CommitRecord, EntryState, read_entry, scan, write_commit_record
+from elastic.checkpoint.layout import CommitRecord, EntryState, read_entry, saved_world_size, scan, write_commit_record
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +28,7 @@ def adopt(folder: str | os.PathLike) -> CommitRecord:
     if entry.state is not EntryState.FOREIGN:
         reason = f"it is {entry.state.value} already" if entry.committed else entry.problem
         raise CheckpointError(f"cannot adopt {path}: {reason}")
-    world_size = writer_count(read_metadata(path))
+    world_size = saved_world_size(entry)
     if world_size is None:
         raise CheckpointError(
             f"cannot adopt {path}: its data files are not named as DCP's FileSystemWriter names them "

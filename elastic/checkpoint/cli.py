@@ -19,11 +19,12 @@ from elastic.checkpoint.adopt import adopt, adopt_all
 from elastic.checkpoint.aside import is_set_aside
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.fence import read_fence
-from elastic.checkpoint.integrity import read_metadata, writer_count
+from elastic.checkpoint.integrity import read_metadata
 from elastic.checkpoint.layout import (
     CheckpointEntry,
     folder_size,
     read_entry,
+    saved_world_size,
     scan,
     step_dir,
     write_commit_record,
@@ -57,19 +58,12 @@ def _readable(directory: Path, step: int | None) -> CheckpointEntry:
     return entry
 
 
-def _world_size(entry: CheckpointEntry) -> int | None:
-    """The ranks that wrote ``entry``: its commit record's, or for a foreign one, its data files' count."""
-    if entry.record is not None:
-        return entry.record.world_size
-    return writer_count(read_metadata(entry.path)) if entry.foreign else None
-
-
 def _row(entry: CheckpointEntry) -> dict:
     record = entry.record
     return {
         "step": entry.step,
         "state": entry.state.value,
-        "world_size": _world_size(entry),
+        "world_size": saved_world_size(entry),
         "round": record.round if record else None,
         "adopted": record.adopted if record else False,
         "bytes": folder_size(entry.path),
@@ -106,7 +100,7 @@ def _inspect(args: argparse.Namespace) -> None:
     entry = _readable(args.directory, args.step)
     record = entry.record
     if record is None:
-        writers = _world_size(entry)
+        writers = saved_world_size(entry)
         print(
             f"{entry.path}: step {entry.step}, foreign (a whole DCP checkpoint without a commit record), written by "
             f"{writers if writers is not None else 'an unknown number of'} ranks; "

@@ -25,7 +25,13 @@ import elastic
 from elastic.checkpoint.durable import fsync_dir, write_durably
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.fence import Fence, read_fence
-from elastic.checkpoint.integrity import DCP_METADATA_FILE, metadata_digest, verify_readable
+from elastic.checkpoint.integrity import (
+    DCP_METADATA_FILE,
+    metadata_digest,
+    read_metadata,
+    verify_readable,
+    writer_count,
+)
 
 # re-exported: older code imports them from here
 __all__ = ["DCP_METADATA_FILE", "CheckpointError", "fsync_dir", "write_durably"]
@@ -211,6 +217,13 @@ def _uncommitted(folder: Path, step: int) -> CheckpointEntry:
         f"adopt it with `elastic-ckpt adopt {folder.parent}` to load it"
     )
     return CheckpointEntry(step=step, path=folder, state=EntryState.FOREIGN, problem=problem)
+
+
+def saved_world_size(entry: CheckpointEntry) -> int | None:
+    """How many ranks saved ``entry``: its commit record says; a foreign one's data files tell; None for a torn one."""
+    if entry.record is not None:
+        return entry.record.world_size
+    return writer_count(read_metadata(entry.path)) if entry.foreign else None
 
 
 def scan(directory: str | os.PathLike) -> list[CheckpointEntry]:

@@ -27,8 +27,8 @@ from elastic.checkpoint.entry_rules import (
     world_sizes,
 )
 from elastic.checkpoint.errors import CheckpointError, UnreadableDataError
-from elastic.checkpoint.integrity import read_metadata, verify_readable, writer_count
-from elastic.checkpoint.layout import CheckpointEntry, scan
+from elastic.checkpoint.integrity import verify_readable
+from elastic.checkpoint.layout import CheckpointEntry, saved_world_size, scan
 from elastic.checkpoint.ranks import Ranks
 from elastic.checkpoint.reader import CheckpointReader
 from elastic.checkpoint.torch_internals import flat_keys
@@ -181,13 +181,6 @@ def load_folder(
             getattr(state[name], REGENERATE_METHOD)(step)
             if ranks.rank == 0:
                 logger.warning("%s %s; regenerated %r from global step %d", folder, decision.reason, name, step)
-
-
-def saved_world_size(entry: CheckpointEntry) -> int | None:
-    """How many ranks saved ``entry``: its commit record says; a foreign one's data files tell."""
-    if entry.record is not None:
-        return entry.record.world_size
-    return writer_count(read_metadata(entry.path))
 
 
 def _keys_by_entry(saved: Iterable[str], entries: Iterable[str]) -> dict[str, list[str]]:

@@ -138,13 +138,11 @@ class CheckpointManager:
         self.wait()
         started = time.monotonic()
         if self.config.adopt_foreign:
-            adopted = self._ranks.agree(
+            self._ranks.agree(
                 lambda: adopt_all(self.directory),
                 f"adopting the foreign checkpoints of {self.directory}",
                 only_rank0=True,
             )
-            if adopted and self._ranks.rank == 0:
-                logger.info("adopted %d foreign checkpoint(s): %s", len(adopted), ", ".join(map(str, adopted)))
         if self._memory is not None:
             step = self._load_from_memory(state)
             if step is not None:

@@ -20,7 +20,6 @@ rank alike, before anything loads.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -43,8 +42,6 @@ from torchtitan.tools import filesystem
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.loading import load_newest
 from elastic.checkpoint.ranks import Ranks
-
-logger = logging.getLogger(__name__)
 
 _TRAINER_ENTRIES = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER)
 
