@@ -2,7 +2,7 @@
 
 For each --source checkout (default: this one), in one run on this machine:
 
-  1. start one etcd (EtcdServer) and 3 agents as subprocesses, `python -m launcher.cli --nnodes 3
+  1. start one etcd (EtcdServer) and 3 agents as subprocesses, `python -m launcher.commands.cli --nnodes 3
      --nproc-per-node 1 --rdzv-backend etcd ... bench/sleep_worker.py`, with PYTHONPATH and cwd set to the
      checkout, so that `launcher` is imported from that tree (`git worktree add /tmp/elastic_before <commit>`
      gives an older one); every other flag is the CLI default (monitor_interval 0.1 s, lease 1 s x 3);
@@ -36,7 +36,7 @@ sys.path.insert(0, str(BENCH))
 
 import etcd_metrics  # noqa: E402
 
-from launcher.etcd_server import EtcdServer  # noqa: E402
+from launcher.etcd.server import EtcdServer  # noqa: E402
 
 logger = logging.getLogger("idle-cost")
 NODES = 3
@@ -71,7 +71,7 @@ def measure(source: Path, args: argparse.Namespace) -> dict:
             command = [
                 sys.executable,
                 "-m",
-                "launcher.cli",
+                "launcher.commands.cli",
                 "--nnodes",
                 str(NODES),
                 "--nproc-per-node",
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     results = []
     for source in [Path(s.strip()).resolve() for s in args.source.split(",") if s.strip()]:
         if not (source / "launcher" / "cli.py").is_file():
-            results.append({"source": str(source), "error": "no launcher/cli.py there"})
+            results.append({"source": str(source), "error": "no launcher/commands/cli.py there"})
             continue
         logger.info("agents from %s (%s):", source, describe(source))
         try:

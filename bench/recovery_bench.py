@@ -43,8 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing: `python bench/recovery_bench.py`
 
 from elastic.node_memory import node_memory_dir  # noqa: E402
-from launcher.etcd_server import EtcdServer, free_port  # noqa: E402
-from launcher.process_tree import child_pids  # noqa: E402
+from launcher.etcd.server import EtcdServer, free_port  # noqa: E402
+from launcher.workers.process_tree import child_pids  # noqa: E402
 
 logger = logging.getLogger("recovery-bench")
 
@@ -316,7 +316,7 @@ def elastic_run_command(
     return [
         sys.executable,
         "-m",
-        "launcher.cli",  # the `elastic-run` console script, run by this interpreter
+        "launcher.commands.cli",  # the `elastic-run` console script, run by this interpreter
         "--nnodes",
         f"{NODES - 1}:{NODES}",
         "--nproc-per-node",

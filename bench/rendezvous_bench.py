@@ -3,8 +3,8 @@
 For each N in --agents (one fresh etcd and one fresh set of processes per N):
 
   1. start P host processes (multiprocessing, spawn), each running up to --agents-per-process agents as threads
-     that share ONE etcd client per process; every agent is a real `launcher.agent.Agent` (and whichever one
-     claims the controller key runs the real `launcher.controller.Controller`) with its worker processes
+     that share ONE etcd client per process; every agent is a real `launcher.node.agent.Agent` (and whichever one
+     claims the controller key runs the real `launcher.rendezvous.controller.Controller`) with its worker processes
      replaced by a no-op WorkerGroup whose poll() reports RUNNING until the host is told to stop;
   2. N-1 agents register; the last one is held back. Once the N-1 are registered (and 1 s has passed), the
      last agent starts: its registration brings the job to its --nnodes MAX (N) and triggers round 0.
@@ -104,7 +104,7 @@ class HostState:
 class SharedKeepAlive:
     """Every lease refresh of a host's agents sent on ONE long-lived keep-alive stream of the process's client.
 
-    The agent's LeaseKeeper refreshes through `launcher.etcd_client.refresh_lease`, which opens a new LeaseKeepAlive
+    The agent's LeaseKeeper refreshes through `launcher.etcd.client.refresh_lease`, which opens a new LeaseKeepAlive
     stream per refresh, and gRPC starts a Python thread to feed each stream: ~1.3 ms of host CPU per refresh, which
     is nothing for one agent per machine but 1.3 cores for 1024 agents packed on this 2-core machine, enough to
     starve the keepers and let leases expire. With --keepalive shared, `refresh` stands in for that function
@@ -123,7 +123,7 @@ class SharedKeepAlive:
         threading.Thread(target=self._run, name="shared-keepalive", daemon=True).start()
 
     def refresh(self, lease, timeout: float) -> list:
-        """What `launcher.etcd_client.refresh_lease(lease, timeout)` does: etcd's answers, or a transient error."""
+        """What `launcher.etcd.client.refresh_lease(lease, timeout)` does: etcd's answers, or a transient error."""
         from pyetcd import etcdrpc
         from pyetcd import exceptions as etcd_exceptions
 
@@ -178,12 +178,12 @@ def host_main(index: int, spec: dict, conn, events) -> None:
                 out.write(f"\n--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame_))}")
 
     signal.signal(signal.SIGUSR1, dump_stacks)
-    from launcher import agent as agent_module
-    from launcher import etcd_client
-    from launcher.agent import Agent
     from launcher.config import LaunchConfig, RendezvousSettings
-    from launcher.records import NodeRecord
-    from launcher.workers import WorkerOutcome
+    from launcher.etcd import client as etcd_client
+    from launcher.node import agent as agent_module
+    from launcher.node.agent import Agent
+    from launcher.rendezvous.records import NodeRecord
+    from launcher.workers.group import WorkerOutcome
 
     host = HostState(index, events)
 
@@ -206,7 +206,7 @@ def host_main(index: int, spec: dict, conn, events) -> None:
         def stop(self, signum: int = signal.SIGTERM) -> None:
             pass
 
-    # The agent builds launcher.agent's WorkerGroup for every round it takes part in; every agent of this host
+    # The agent builds launcher.node.agent's WorkerGroup for every round it takes part in; every agent of this host
     # process is a BenchAgent, so the no-op group stands in for it process-wide.
     agent_module.WorkerGroup = NoopWorkerGroup  # type: ignore[misc, assignment]  # a stand-in, not a subclass
 
@@ -264,7 +264,7 @@ def host_main(index: int, spec: dict, conn, events) -> None:
     shared = None
     if spec["keepalive"] == "shared":
         # every agent of this host process is simulated, so the shared stream stands in for its refreshes
-        # process-wide (launcher.lease_keeper looks the function up at each refresh)
+        # process-wide (launcher.etcd.lease_keeper looks the function up at each refresh)
         shared = SharedKeepAlive(client)
         etcd_client.refresh_lease = shared.refresh
     # --nnodes 1:N with a last call of an hour: round 0 forms the moment the N-th agent registers (MAX reached),
@@ -483,8 +483,8 @@ class KeyWatch:
         self.client = client
         self.deleted_at: float | None = None
         self.rounds: dict[int, float] = {}
-        from launcher import etcd_client
-        from launcher.records import RoundHeader
+        from launcher.etcd import client as etcd_client
+        from launcher.rendezvous.records import RoundHeader
 
         def on_node(response) -> None:
             if isinstance(response, Exception):
@@ -606,10 +606,10 @@ def summarize_profile(path: str, top: int = 12) -> dict:
 
 def run_one(n: int, args: argparse.Namespace) -> dict:
     from elastic.node_memory import node_memory_dir
-    from launcher import etcd_client
-    from launcher.etcd_server import EtcdServer
-    from launcher.protocol import JobKeys
-    from launcher.records import MemberBucket, RoundHeader, RoundRecord
+    from launcher.etcd import client as etcd_client
+    from launcher.etcd.server import EtcdServer
+    from launcher.rendezvous.protocol import JobKeys
+    from launcher.rendezvous.records import MemberBucket, RoundHeader, RoundRecord
 
     ttl = max(1, math.ceil(args.keep_alive_interval * LEASE_ATTEMPTS))
     workdir = tempfile.mkdtemp(prefix=f"rdzv-bench-{n}-")

@@ -69,8 +69,8 @@ from recovery_bench import (  # noqa: E402
     terminate_like_ctrl_c,
 )
 
-from launcher.etcd_server import EtcdServer  # noqa: E402
-from launcher.process_tree import child_pids  # noqa: E402
+from launcher.etcd.server import EtcdServer  # noqa: E402
+from launcher.workers.process_tree import child_pids  # noqa: E402
 
 logger = logging.getLogger("training-recovery-bench")
 

@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launcher.etcd_server import EtcdServer  # noqa: E402
-from launcher.process_tree import child_pids  # noqa: E402
+from launcher.etcd.server import EtcdServer  # noqa: E402
+from launcher.workers.process_tree import child_pids  # noqa: E402
 
 RDZV_CONF = "last_call_timeout=3"
 # once one agent has failed, how long the others get to follow before the scenario stops waiting for them
@@ -41,7 +41,7 @@ def start_node(
     command = [
         sys.executable,
         "-m",
-        "launcher.cli",
+        "launcher.commands.cli",
         "--nnodes",
         nnodes,
         "--nproc-per-node",
@@ -124,7 +124,7 @@ def print_failure(work: Path, agents: list[subprocess.Popen]) -> None:
 def print_membership_log(endpoint: str) -> None:
     print("\n== membership log (elastic-run log) ==", flush=True)
     subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "log", "--rdzv-endpoint", endpoint, "--rdzv-id", "scenario"],
+        [sys.executable, "-m", "launcher.commands.cli", "log", "--rdzv-endpoint", endpoint, "--rdzv-id", "scenario"],
         cwd=REPO,
         check=False,
         timeout=60,

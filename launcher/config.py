@@ -219,7 +219,7 @@ class LaunchConfig(BaseModel):
     max_restarts: int = Field(0, ge=0)
     monitor_interval: float = Field(0.1, gt=0)
     worker_stop_timeout: float = Field(30.0, ge=0, description="grace between SIGTERM and SIGKILL of workers")
-    # the progress watchdog (launcher.watchdog): seconds of silence allowed after a heartbeat, auto, or off
+    # the progress watchdog (launcher.workers.watchdog): seconds of silence allowed after a heartbeat, auto, or off
     watchdog_timeout: float | Literal["auto", "off"] = "auto"
     watchdog_min: float = Field(60.0, gt=0, description="the least allowance of --watchdog-timeout auto")
     watchdog_long_op: float = Field(1800.0, gt=0, description="default allowance inside elastic.long_operation")
@@ -242,7 +242,7 @@ class LaunchConfig(BaseModel):
     module: bool = False
     no_python: bool = False
     warm_workers: bool = (
-        True  # pre-started interpreters, torch imported (launcher.warm_workers); not with -m/--no-python
+        True  # pre-started interpreters, torch imported (launcher.workers.warm_pool); not with -m/--no-python
     )
 
     @model_validator(mode="after")
@@ -273,7 +273,7 @@ class LaunchConfig(BaseModel):
     @classmethod
     def _endpoint_parses(cls, value: str) -> str:
         if value:
-            from launcher.etcd_client import parse_endpoints
+            from launcher.etcd.client import parse_endpoints
 
             parse_endpoints(value)
         return value

@@ -1,7 +1,7 @@
 import pytest
 from launcher_harness import Cluster
 
-from launcher.etcd_server import EtcdServer
+from launcher.etcd.server import EtcdServer
 
 
 @pytest.fixture

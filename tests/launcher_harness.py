@@ -23,7 +23,7 @@ FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=
 def elastic_run_command() -> list[str]:
     """The installed console script when there is one (what users run), else the module."""
     script = shutil.which("elastic-run")
-    return [script] if script else [sys.executable, "-m", "launcher.cli"]
+    return [script] if script else [sys.executable, "-m", "launcher.commands.cli"]
 
 
 def worker_env() -> dict[str, str]:
@@ -128,9 +128,9 @@ class Cluster:
     def log(self, rdzv_id: str = "job") -> list[dict]:
         """The job's membership log as etcd holds it now; an agent's membership.jsonl is complete once it exits
         (the controller's is kept current while the job runs)."""
-        from launcher import etcd_client
-        from launcher.membership_log import read_events
-        from launcher.protocol import JobKeys
+        from launcher.etcd import client as etcd_client
+        from launcher.rendezvous.membership_log import read_events
+        from launcher.rendezvous.protocol import JobKeys
 
         client = etcd_client.connect(self.endpoint)
         try:
@@ -140,8 +140,8 @@ class Cluster:
 
     def controller(self, rdzv_id: str = "job") -> str | None:
         """The node that holds the job's controller key now."""
-        from launcher import etcd_client
-        from launcher.protocol import Holder, JobKeys
+        from launcher.etcd import client as etcd_client
+        from launcher.rendezvous.protocol import Holder, JobKeys
 
         client = etcd_client.connect(self.endpoint)
         try:

@@ -25,8 +25,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from launcher.etcd_server import find_etcd_binary
-from launcher.process_tree import orphan_safe_command
+from launcher.etcd.server import find_etcd_binary
+from launcher.workers.process_tree import orphan_safe_command
 
 SUBNET = "10.77.0"  # /24, private to these namespaces
 ETCD_ADDR = f"{SUBNET}.1"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_checkpoint_manager import make_state, train
 
-from elastic import watchdog as channel
+from elastic import channel
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.layout import scan
 

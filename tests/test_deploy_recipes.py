@@ -14,7 +14,7 @@ import pytest
 import yaml
 from launcher_harness import REPO
 
-from launcher.cli import build_parser, config_from_args
+from launcher.commands.cli import build_parser, config_from_args
 from launcher.config import LaunchConfig
 
 pytestmark = pytest.mark.timeout(60)

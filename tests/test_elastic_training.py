@@ -11,7 +11,7 @@ import pytest
 from launcher_harness import FAST_RDZV, REPO, events, pid_alive
 
 from elastic.checkpoint.layout import scan
-from launcher.process_tree import child_pids, descendant_pids
+from launcher.workers.process_tree import child_pids, descendant_pids
 
 pytestmark = pytest.mark.slow
 

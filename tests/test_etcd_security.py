@@ -15,9 +15,9 @@ import pytest
 from launcher_harness import PROBE, REPO, elastic_run_command, worker_env
 from tls_certs import CertificateAuthority
 
-from launcher import etcd_client
 from launcher.config import EtcdSecurity
-from launcher.etcd_server import EtcdServer, ServerTls, find_etcd_binary
+from launcher.etcd import client as etcd_client
+from launcher.etcd.server import EtcdServer, ServerTls, find_etcd_binary
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

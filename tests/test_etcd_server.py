@@ -7,8 +7,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from launcher import etcd_client
-from launcher.etcd_server import EtcdServer, PortTaken
+from launcher.etcd import client as etcd_client
+from launcher.etcd.server import EtcdServer, PortTaken
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launcher.failure_evidence import says_peer_failed, says_unreachable, stalled_peers, unreachable_peers
+from launcher.workers.failure_evidence import says_peer_failed, says_unreachable, stalled_peers, unreachable_peers
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 from launcher_harness import PROBE, REPO, elastic_run_command, worker_env
 
-from launcher.etcd_server import free_port
+from launcher.etcd.server import free_port
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 30) -> tuple[int, list[str], float]:

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from launcher import etcd_client
 from launcher.config import LaunchConfig, RendezvousSettings
-from launcher.controller import Controller
-from launcher.job_view import ViewParser
-from launcher.membership_log import LogMirror, read_events
-from launcher.protocol import Holder, JobStore
-from launcher.records import NodeFailure, NodeRecord, WorkerFailure
-from launcher.watch import RangeMirror
+from launcher.etcd import client as etcd_client
+from launcher.etcd.watch import RangeMirror
+from launcher.rendezvous.controller import Controller
+from launcher.rendezvous.job_view import ViewParser
+from launcher.rendezvous.membership_log import LogMirror, read_events
+from launcher.rendezvous.protocol import Holder, JobStore
+from launcher.rendezvous.records import NodeFailure, NodeRecord, WorkerFailure
 
 pytestmark = pytest.mark.timeout(90)
 

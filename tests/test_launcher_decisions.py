@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from launcher.decisions import (
+from launcher.rendezvous.decisions import (
     STALL_PROBE_EVERY_S,
     CallRollCall,
     Clock,
@@ -25,8 +25,8 @@ from launcher.decisions import (
     decide,
     track,
 )
-from launcher.job_view import JobView, RoundReports
-from launcher.records import (
+from launcher.rendezvous.job_view import JobView, RoundReports
+from launcher.rendezvous.records import (
     DrainReport,
     DrainRequest,
     JobStatus,

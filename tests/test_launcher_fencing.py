@@ -9,7 +9,7 @@ import time
 import pytest
 from launcher_harness import pid_alive
 
-from launcher.process_tree import child_pids
+from launcher.workers.process_tree import child_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -16,11 +16,11 @@ import time
 import pytest
 from launcher_harness import FAST_RDZV, REPO, elastic_run_command, events, pid_alive
 
-from launcher import etcd_client
-from launcher.membership_log import read_events
-from launcher.process_tree import child_pids as children
-from launcher.protocol import JobKeys, JobStore
-from launcher.records import NodeRecord, RoundHeader
+from launcher.etcd import client as etcd_client
+from launcher.rendezvous.membership_log import read_events
+from launcher.rendezvous.protocol import JobKeys, JobStore
+from launcher.rendezvous.records import NodeRecord, RoundHeader
+from launcher.workers.process_tree import child_pids as children
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from launcher_harness import FAST_RDZV, REPO, Cluster, elastic_run_command, events, pid_alive
 
-from launcher.etcd_server import free_port
-from launcher.process_tree import child_pids as children
+from launcher.etcd.server import free_port
+from launcher.workers.process_tree import child_pids as children
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-from launcher import etcd_client, membership_log
 from launcher.config import RendezvousSettings, Std, parse_nnodes, parse_rdzv_conf, parse_std_spec
-from launcher.decisions import assign_ranks, failure_summary, root_cause
-from launcher.protocol import JobKeys
-from launcher.records import DrainReport, NodeRecord, RoundRecord, WorkerFailure
+from launcher.etcd import client as etcd_client
+from launcher.rendezvous import membership_log
+from launcher.rendezvous.decisions import assign_ranks, failure_summary, root_cause
+from launcher.rendezvous.protocol import JobKeys
+from launcher.rendezvous.records import DrainReport, NodeRecord, RoundRecord, WorkerFailure
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from launcher import etcd_client
-from launcher.watch import RangeMirror
+from launcher.etcd import client as etcd_client
+from launcher.etcd.watch import RangeMirror
 
 pytestmark = pytest.mark.timeout(60)
 

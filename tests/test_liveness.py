@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.liveness import LivenessServer, Miss, probe
+from launcher.rendezvous.liveness import LivenessServer, Miss, probe
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -34,7 +34,8 @@ def test_a_live_agent_answers_with_its_incarnation():
 
 def test_a_stopped_agent_does_not_answer_within_the_timeout():
     code = (
-        "from launcher.liveness import LivenessServer; import time; s = LivenessServer('127.0.0.1').start(); "
+        "from launcher.rendezvous.liveness import LivenessServer; import time; "
+        "s = LivenessServer('127.0.0.1').start(); "
         "s.incarnation = 7; print(s.port, flush=True); time.sleep(60)"
     )
     agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

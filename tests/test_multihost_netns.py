@@ -58,7 +58,7 @@ def run_job(
         command = [
             sys.executable,
             "-m",
-            "launcher.cli",
+            "launcher.commands.cli",
             "--nnodes",
             str(NODES),
             "--nproc-per-node",

@@ -1,4 +1,5 @@
-"""launcher.network: which interface gloo is told to use, and when elastic-run leaves GLOO_SOCKET_IFNAME alone."""
+"""launcher.workers.network: which interface gloo is told to use, and when elastic-run leaves GLOO_SOCKET_IFNAME
+alone."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher import network
-from launcher.network import gloo_interface_env, interface_holding
-from launcher.workers import worker_env
+from launcher.workers import network
+from launcher.workers.group import worker_env
+from launcher.workers.network import gloo_interface_env, interface_holding
 
 REPO = Path(__file__).resolve().parents[1]
 GLOO_ENV = Path(__file__).resolve().parent / "workers" / "gloo_env.py"
@@ -76,7 +77,7 @@ def test_host_address_maps_to_its_interface(caplog):
         pytest.skip("this machine has no non-loopback IPv4 address")
     addr, name = found
     assert interface_holding(addr) == name
-    with caplog.at_level(logging.INFO, logger="launcher.network"):
+    with caplog.at_level(logging.INFO, logger="launcher.workers.network"):
         assert gloo_interface_env(addr, {}) == {"GLOO_SOCKET_IFNAME": name}
         assert gloo_interface_env(addr, {}) == {"GLOO_SOCKET_IFNAME": name}  # every worker, every round
     messages = [r.getMessage() for r in caplog.records]
@@ -134,7 +135,7 @@ def test_addresses_on_veth_interfaces_in_a_namespace():
         ip("addr", "add", "fd77::2/64", "dev", "gloo1", "nodad")
         ip("link", "set", "lo", "up")
         probe = (
-            "import json; from launcher.network import interface_holding, gloo_interface_env\n"
+            "import json; from launcher.workers.network import interface_holding, gloo_interface_env\n"
             "addrs = ['10.77.9.2', '10.77.9.3', '10.77.8.2', 'fd77::2', '10.77.9.9', '127.0.0.1']\n"
             "print(json.dumps({a: [interface_holding(a), gloo_interface_env(a, {})] for a in addrs}))\n"
         )
@@ -172,7 +173,7 @@ def test_single_host_job_workers_see(user_value, tmp_path):
     command = [
         sys.executable,
         "-m",
-        "launcher.cli",
+        "launcher.commands.cli",
         "--standalone",
         "--nproc-per-node",
         "2",

@@ -33,8 +33,8 @@ FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=
 SLOW_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=6,last_call_timeout=1,join_timeout=60"
 FENCE_TEXT = "killing the workers before the job moves on without them"
 STEP_TIME = 0.05
-# where `python -m launcher.cli` is imported from: set PARTITION_LAUNCHER_ROOT to a directory holding a modified copy
-# of launcher/ to try a change against these cases without touching the tree
+# where `python -m launcher.commands.cli` is imported from: set PARTITION_LAUNCHER_ROOT to a directory holding a
+# modified copy of launcher/ to try a change against these cases without touching the tree
 LAUNCHER_ROOT = Path(os.environ.get("PARTITION_LAUNCHER_ROOT", REPO))
 
 pytestmark = pytest.mark.slow
@@ -100,7 +100,7 @@ class Job:
             command = [
                 sys.executable,
                 "-m",
-                "launcher.cli",
+                "launcher.commands.cli",
                 "--nnodes",
                 self.nnodes,
                 "--nproc-per-node",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from launcher_harness import REPO, pid_alive
 
-from launcher.process_tree import child_pids, descendant_pids, stop_group, supervised_command
+from launcher.workers.process_tree import child_pids, descendant_pids, stop_group, supervised_command
 
 SPAWNER = REPO / "tests" / "workers" / "spawner.py"
 
@@ -142,7 +142,7 @@ def test_parent_sigkill_takes_the_whole_tree(marker, tmp_path):
     parent_code = (
         "import subprocess, sys, time\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
-        "from launcher.process_tree import supervised_command\n"
+        "from launcher.workers.process_tree import supervised_command\n"
         "subprocess.Popen(supervised_command(sys.argv[1:]), start_new_session=True)\n"
         "time.sleep(600)\n"
     )

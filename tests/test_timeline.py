@@ -8,8 +8,8 @@ import sys
 import pytest
 from launcher_harness import elastic_run_command
 
-from launcher.membership_log import MembershipEvent
-from launcher.timeline import Mark, marks, round_spans, world_size_steps
+from launcher.commands.timeline import Mark, marks, round_spans, world_size_steps
+from launcher.rendezvous.membership_log import MembershipEvent
 
 pytestmark = pytest.mark.timeout(60)
 AT = 1_700_000_000.0
@@ -84,7 +84,7 @@ def test_log_plot_writes_the_picture_from_a_membership_file(tmp_path, suffix, ma
 def test_without_matplotlib_the_plot_names_the_extra(tmp_path):
     log = tmp_path / "membership.jsonl"
     log.write_text("".join(e.dumps() + "\n" for e in a_job()))
-    hide = "import sys; sys.modules['matplotlib'] = None; from launcher.cli import main; sys.exit(main())"
+    hide = "import sys; sys.modules['matplotlib'] = None; from launcher.commands.cli import main; sys.exit(main())"
     result = subprocess.run(
         [sys.executable, "-c", hide, "log", "--file", str(log), "--plot", str(tmp_path / "t.png")],
         capture_output=True,

@@ -9,7 +9,7 @@ import pytest
 from launcher_harness import PROBE
 from torch.distributed.run import get_args_parser
 
-from launcher.cli import UNSUPPORTED_FLAGS, ConfigError, build_parser, config_from_args
+from launcher.commands.cli import UNSUPPORTED_FLAGS, ConfigError, build_parser, config_from_args
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.process_tree import child_pids
-from launcher.warm_interpreter import IDLE_NAME, torch_imports
-from launcher.warm_workers import WarmPool
+from launcher.workers.process_tree import child_pids
+from launcher.workers.warm_interpreter import IDLE_NAME, torch_imports
+from launcher.workers.warm_pool import WarmPool
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 from launcher_harness import PROBE, REPO
 
-from elastic import watchdog as channel
-from launcher import etcd_client
-from launcher.cli import ConfigError, build_parser, config_from_args
+from elastic import channel
+from launcher.commands.cli import ConfigError, build_parser, config_from_args
 from launcher.config import LaunchConfig, Std
-from launcher.membership_log import format_table, read_events
-from launcher.process_tree import child_pids
-from launcher.protocol import JobStore
-from launcher.records import MasterRecord, Member, NodeFailure, RoundRecord, WorkerFailure
-from launcher.watchdog import (
+from launcher.etcd import client as etcd_client
+from launcher.rendezvous.membership_log import format_table, read_events
+from launcher.rendezvous.protocol import JobStore
+from launcher.rendezvous.records import MasterRecord, Member, NodeFailure, RoundRecord, WorkerFailure
+from launcher.workers.group import WorkerGroup, WorkerOutcome, worker_env
+from launcher.workers.process_tree import child_pids
+from launcher.workers.watchdog import (
     STALL_MIN_S,
     Hang,
     Policy,
@@ -36,7 +37,6 @@ from launcher.watchdog import (
     stall_allowance,
     stall_of,
 )
-from launcher.workers import WorkerGroup, WorkerOutcome, worker_env
 
 PATTERN = REPO / "tests" / "workers" / "heartbeat_pattern.py"
 AUTO = Policy(timeout=None, minimum=60.0, long_op=1800.0)

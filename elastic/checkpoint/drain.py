@@ -1,7 +1,7 @@
 """Drains: the checkpoint elastic-run asks for before a planned change, so the next round redoes no step.
 
 Before a node joins (scale-up) or an agent that was told to stop leaves, the agents write a drain number into
-each worker's channel (`elastic.watchdog`). The ranks must save at the same step, and each sees the request
+each worker's channel (`elastic.channel`). The ranks must save at the same step, and each sees the request
 at its own moment, so `Drains.requested` is a collective: every rank calls it at every step boundary (it is
 what `CheckpointManager.should_save` does) and they agree on the largest number any of them saw, over a gloo
 group of their own (one tiny all_reduce per step). Once that save committed, each rank reports the number
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic.watchdog import drain_channel, long_operation
+from elastic.channel import drain_channel, long_operation
 
 logger = logging.getLogger(__name__)
 

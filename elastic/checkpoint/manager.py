@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from elastic.channel import long_operation
 from elastic.checkpoint.adopt import adopt_all
 from elastic.checkpoint.attempt import (
     Attempt,
@@ -41,7 +42,6 @@ from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
 from elastic.checkpoint.writer import CheckpointWriter
 from elastic.node_memory import MEMORY_DIR_ENV, memory_dir_from_env
-from elastic.watchdog import long_operation
 
 logger = logging.getLogger(__name__)
 

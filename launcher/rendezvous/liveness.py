@@ -1,7 +1,7 @@
 """A fast failure detector: each agent answers liveness probes on a small TCP port named in its registration.
 
 The lease TTL is the backstop for a lost node, and it is seconds. When a member falls silent while its peers'
-workers fail, the controller probes it (`launcher.decisions`, rule 6) and does not wait for the lease:
+workers fail, the controller probes it (`launcher.rendezvous.decisions`, rule 6) and does not wait for the lease:
 
 - the agent answers with its incarnation (its lease id, hex, one line) from a thread of its own, so a busy main
   loop still answers; an agent that is stopped (SIGSTOP) or whose host is gone does not answer within

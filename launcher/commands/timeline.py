@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.membership_log import MembershipEvent
+from launcher.rendezvous.membership_log import MembershipEvent
 
 PLOT_EXTRA_HINT = "--plot needs matplotlib: pip install -e '.[plot]' (or pip install matplotlib)"
 # event -> (marker, colour) of its mark; the label says what happened to whom

@@ -11,7 +11,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from launcher import etcd_client
+from launcher.etcd import client as etcd_client
 
 logger = logging.getLogger(__name__)
 

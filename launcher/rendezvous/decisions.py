@@ -1,7 +1,8 @@
 """The controller's rules as pure functions: (job view, local clock, now, settings) -> one decision.
 
-Nothing here reads etcd, sleeps or looks at the wall clock; `launcher.controller` applies what `decide` returns
-through `launcher.protocol`. The rules, in the order they are tried:
+Nothing here reads etcd, sleeps or looks at the wall clock; `launcher.rendezvous.controller` applies what `decide`
+returns
+through `launcher.rendezvous.protocol`. The rules, in the order they are tried:
 
 1. The job has a status: nothing more to do.
 2. Leave notices of nodes that are gone and belong to no round are forgotten.
@@ -13,11 +14,11 @@ through `launcher.protocol`. The rules, in the order they are tried:
 5. A member announced it is leaving: its round is drained (below), then wait until its registration is gone
    (it keeps its lease until its workers drained and exited); after `close_timeout` it is evicted.
 6. Workers failed: every member that has not reported is asked to answer a roll call, and its agent is probed
-   (`probe_timeout`, launcher.liveness). Once all have answered, the failure is a worker failure: a new round
+   (`probe_timeout`, launcher.rendezvous.liveness). Once all have answered, the failure is a worker failure: a new round
    with one more restart, or the end of the job past `--max-restarts`. A member whose agent refuses or does not
    answer the probe is lost at once; one that never answers the roll call is dead or hung: its lease ends
    (rule 4) or, after `close_timeout`, it is evicted; either way, a loss.
-7. A member reported its workers stalled (all silent for several of their step intervals, launcher.watchdog):
+7. A member reported its workers stalled (all silent for several of their step intervals, launcher.workers.watchdog):
    in a synchronous job that is what a stopped or frozen peer looks like, since nothing fails. Every member
    that reported neither a stall nor an outcome is probed, at most once every `STALL_PROBE_EVERY_S` while a
    stall lasts; one that does not answer is lost at once (rule 4 follows), and when all answer, nothing
@@ -48,8 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from launcher.job_view import JobView
-from launcher.records import DrainReport, Member, NodeRecord, RoundRecord, WorkerFailure
+from launcher.rendezvous.job_view import JobView
+from launcher.rendezvous.records import DrainReport, Member, NodeRecord, RoundRecord, WorkerFailure
 
 # a stall lasts until the culprit is found or the workers beat again; probing every member that is not
 # stalled more often than this would only load the agents (each probe is one TCP connection)
@@ -77,7 +78,7 @@ class Settings:
     close_timeout: float
     quarantine_after: int = 0  # 0: never
     quarantine_cooldown: float = 0.0
-    probe_timeout: float = 0.0  # 0: silent members are not probed (launcher.liveness)
+    probe_timeout: float = 0.0  # 0: silent members are not probed (launcher.rendezvous.liveness)
     drain_timeout: float = 0.0  # 0: planned changes go ahead without a drain
 
 
@@ -154,7 +155,7 @@ class WithdrawDrain:
 
 @dataclass(frozen=True)
 class ProbeMembers:
-    """Probe these silent members' agents; one that does not answer is lost at once (launcher.liveness)."""
+    """Probe these silent members' agents; one that does not answer is lost at once (launcher.rendezvous.liveness)."""
 
     members: dict[str, NodeRecord]  # node -> its registration: address, probe port, incarnation
     stall: bool = False  # because of a stall (rule 7), not of failed workers (rule 6)
@@ -204,7 +205,7 @@ def root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
 
 
 def charged_nodes(failures: list[WorkerFailure], members: list[Member]) -> list[str]:
-    """The nodes a round's `failures` are charged to, by name (evidence from `launcher.failure_evidence`).
+    """The nodes a round's `failures` are charged to, by name (evidence from `launcher.workers.failure_evidence`).
 
     Broken network paths first: the nodes touching the most of them (two nodes that lost each other are both
     charged, and either one out mends the job; a node that lost everyone touches every broken path and is

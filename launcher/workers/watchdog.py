@@ -1,7 +1,7 @@
 """The progress watchdog: a worker that heartbeats and then falls silent past its allowance is hung.
 
 Workers call `elastic.heartbeat(step)` once per step; it writes a small shared-memory file per worker that the
-agent created in the worker's log directory before starting it (`elastic.watchdog` documents the layout). On
+agent created in the worker's log directory before starting it (`elastic.channel` documents the layout). On
 every worker poll (`--monitor-interval`) the agent reads the file's 8-byte change counter, and the rest only once
 a worker has been silent for the least allowance there can be: no etcd, no syscall, next to no CPU.
 
@@ -23,13 +23,13 @@ Stalls, a hint for the controller rather than a verdict: when every worker of th
 than `STALL_FACTOR` x a slow recent step interval (the 90th percentile of the window; at least `STALL_MIN_S`),
 the node is stalled (`stall_of`).
 In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next collective and
-nothing fails. The agent reports it (`launcher.decisions`, rule 7) and the controller probes the members that
+nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the controller probes the members that
 are not stalled; a stall costs a probe, never a restart.
 
 A hung worker gets the signal its library registered with faulthandler (every thread's Python stack to its
 stderr), SIGCONT (a stopped process handles no signal), and `DUMP_GRACE_S` later SIGKILL, then its process group
 SIGKILL (at once when the worker leads it; `DUMP_GRACE_S` later when a supervisor runs it and takes its tree down).
-Before the kill the agent reads which of its TCP connections stalled (`launcher.failure_evidence`): evidence of
+Before the kill the agent reads which of its TCP connections stalled (`launcher.workers.failure_evidence`): evidence of
 a broken path to a peer. Its failure carries `hung`, `seconds_silent`, `last_step` and those peers
 (`unreachable`); the agent reports it like any failed worker and the membership log records `worker_hung`. In a
 synchronous job the peers of a hung worker block in their next
@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from elastic import watchdog as channel
-from launcher import failure_evidence
-from launcher.process_tree import signal_group
+from elastic import channel
+from launcher.workers import failure_evidence
+from launcher.workers.process_tree import signal_group
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class Hang:
     long_op: str | None = None
     starting: bool = False  # no heartbeat yet in this round: held to the start-up allowance
     at: float = field(default_factory=time.time)  # wall clock of the verdict
-    stalled_peers: tuple[str, ...] = ()  # peers its stalled TCP connections lead to (launcher.failure_evidence)
+    stalled_peers: tuple[str, ...] = ()  # peers its stalled TCP connections lead to (launcher.workers.failure_evidence)
 
     @property
     def silent_since(self) -> float:
@@ -473,7 +473,7 @@ class Watchdog:
         """SIGKILL the worker; the seconds until its whole process group gets SIGKILL too.
 
         A worker that is our child leads its process group: the group dies at once. One under a supervisor
-        (`launcher.process_tree.supervised_command`) dies first, so that its supervisor, still alive, takes the
+        (`launcher.workers.process_tree.supervised_command`) dies first, so that its supervisor, still alive, takes the
         worker's whole tree down and exits with the worker's status; the group follows if anything still runs.
         """
         owner = self._owner(worker, process)

@@ -10,7 +10,7 @@
         manager.load_latest(state)
 
 The channel is a small shared-memory file per worker that the agent creates in the worker's log directory and
-names in `ELASTIC_HEARTBEAT_FILE` (see `launcher.watchdog`). Without that variable (plain `python`, torchrun)
+names in `ELASTIC_HEARTBEAT_FILE` (see `launcher.workers.watchdog`). Without that variable (plain `python`, torchrun)
 every call here is a no-op; with `--watchdog-timeout off` the agent judges no silence. A script that never
 calls `heartbeat` is never watched; once it has, a worker that stays silent longer than its allowance is taken
 for hung: the agent sends `DUMP_SIGNAL`, on which this module has `faulthandler` write every thread's Python

@@ -1,7 +1,7 @@
 """The controller: in the one agent that holds the job's controller key, applies `decisions.decide` to a watched view.
 
 It watches the job's whole `state/` range (one watch, resumed across reconnects), keeps the local clock of
-the rules, and writes each decision through `launcher.protocol`, whose guards make a stale controller's
+the rules, and writes each decision through `launcher.rendezvous.protocol`, whose guards make a stale controller's
 writes fail: two controllers can never both form round N. It stops when the job is over, when its agent
 stops it, or when it sees that it no longer holds the controller key.
 """
@@ -15,9 +15,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from launcher import etcd_client
 from launcher.config import LaunchConfig
-from launcher.decisions import (
+from launcher.etcd import client as etcd_client
+from launcher.etcd.watch import RangeMirror
+from launcher.rendezvous.decisions import (
     CallRollCall,
     Clock,
     Decision,
@@ -34,12 +35,11 @@ from launcher.decisions import (
     decide,
     track,
 )
-from launcher.job_view import JobView, ViewParser
-from launcher.liveness import probe
-from launcher.membership_log import LogMirror, new_event
-from launcher.protocol import Holder, JobStore
-from launcher.records import DrainRequest, JobStatus, RoundRecord
-from launcher.watch import RangeMirror
+from launcher.rendezvous.job_view import JobView, ViewParser
+from launcher.rendezvous.liveness import probe
+from launcher.rendezvous.membership_log import LogMirror, new_event
+from launcher.rendezvous.protocol import Holder, JobStore
+from launcher.rendezvous.records import DrainRequest, JobStatus, RoundRecord
 
 logger = logging.getLogger(__name__)
 

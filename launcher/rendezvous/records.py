@@ -1,4 +1,5 @@
-"""The records a job keeps in etcd, as validated models. Where they live is `launcher.protocol`'s business."""
+"""The records a job keeps in etcd, as validated models. Where they live is `launcher.rendezvous.protocol`'s
+business."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class NodeRecord(Record):
     lease: int
     pid: int
     joined_at: float = Field(default_factory=time.time)
-    probe_port: int = 0  # where its agent answers liveness probes (launcher.liveness); 0: it does not
+    probe_port: int = 0  # where its agent answers liveness probes (launcher.rendezvous.liveness); 0: it does not
 
 
 @dataclass(frozen=True)
@@ -247,12 +248,12 @@ class WorkerFailure(Record):
     time: float
     message: str = ""
     traceback: str = ""
-    # set when the progress watchdog found the worker hung and killed it (launcher.watchdog)
+    # set when the progress watchdog found the worker hung and killed it (launcher.workers.watchdog)
     hung: bool = False
     seconds_silent: float | None = None
     last_step: int | None = None
-    # what its traces say of the cause (launcher.failure_evidence): a network path broke (to the peer addresses in
-    # `unreachable`, where known), or it failed because a peer did
+    # what its traces say of the cause (launcher.workers.failure_evidence): a network path broke (to the peer
+    # addresses in `unreachable`, where known), or it failed because a peer did
     path_broken: bool = False
     unreachable: list[str] = Field(default_factory=list)
     consequence: bool = False
@@ -268,8 +269,8 @@ class NodeFailure(Record):
 
 class StallReport(Record):
     """An agent's notice that every one of its workers has been silent for several of its own step intervals
-    (launcher.watchdog.stall_of): peers block in a collective when a node stops, so nothing fails to tell the
-    controller; it probes the members that are not stalled (launcher.decisions, rule 7)."""
+    (launcher.workers.watchdog.stall_of): peers block in a collective when a node stops, so nothing fails to tell the
+    controller; it probes the members that are not stalled (launcher.rendezvous.decisions, rule 7)."""
 
     seconds_silent: float
     last_step: int | None = None

@@ -9,10 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-from launcher import etcd_client, membership_log, timeline
+from launcher.commands import timeline
 from launcher.config import add_rdzv_conf_flag, security_from_rdzv_conf
-from launcher.membership_log import MembershipEvent
-from launcher.protocol import JobKeys
+from launcher.etcd import client as etcd_client
+from launcher.rendezvous import membership_log
+from launcher.rendezvous.membership_log import MembershipEvent
+from launcher.rendezvous.protocol import JobKeys
 
 
 def build_parser() -> argparse.ArgumentParser:

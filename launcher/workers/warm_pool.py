@@ -2,7 +2,7 @@
 
 A cold worker spends most of its start-up in Python and `import torch` (3 s of the 4 s a lost node costs on
 a 2-core machine). The agent keeps a `WarmPool`; a round's `WorkerGroup` takes the warm interpreter of each
-local rank and hands it the round's environment, argv and stdio (`launcher.warm_interpreter` becomes the
+local rank and hands it the round's environment, argv and stdio (`launcher.workers.warm_interpreter` becomes the
 script). A rank without a fitting warm interpreter starts cold, exactly as before:
 
 - the environment it was started with must be the node's part of the round's worker environment
@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.process_tree import stop_group, supervised_command
-from launcher.warm_interpreter import CONTROL_FD_ENV, READY_FD_ENV
+from launcher.workers.process_tree import stop_group, supervised_command
+from launcher.workers.warm_interpreter import CONTROL_FD_ENV, READY_FD_ENV
 
 logger = logging.getLogger(__name__)
 

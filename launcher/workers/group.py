@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from elastic.channel import HEARTBEAT_ENV
 from elastic.node_memory import MEMORY_DIR_ENV, node_memory_dir
-from elastic.watchdog import HEARTBEAT_ENV
-from launcher import failure_evidence
 from launcher.config import LaunchConfig, Std
-from launcher.network import gloo_interface_env
-from launcher.process_tree import stop_group, supervised_command
-from launcher.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
-from launcher.warm_workers import WarmPool, WarmWorker
-from launcher.watchdog import HEARTBEAT_FILE, Policy, Stall, StartupHistory, Watchdog, read_dump
+from launcher.rendezvous.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
+from launcher.workers import failure_evidence
+from launcher.workers.network import gloo_interface_env
+from launcher.workers.process_tree import stop_group, supervised_command
+from launcher.workers.warm_pool import WarmPool, WarmWorker
+from launcher.workers.watchdog import HEARTBEAT_FILE, Policy, Stall, StartupHistory, Watchdog, read_dump
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ class WorkerGroup:
         return DrainReport(number=number, step=max((s.step for s in draining if s.step is not None), default=None))
 
     def stall(self) -> Stall | None:
-        """Every worker silent for several of its step intervals, as of the last poll (launcher.watchdog)."""
+        """Every worker silent for several of its step intervals, as of the last poll (launcher.workers.watchdog)."""
         return self.watchdog.stall
 
     def reporting_hang(self) -> bool:

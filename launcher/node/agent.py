@@ -9,7 +9,7 @@ Threads and what they own:
   was stopped), the main thread fences itself: it kills its workers before the others can have formed a
   round without it, and once etcd answers it ends that lease and rejoins as a newcomer;
 - the etcd client's watch thread applies changes to the `RangeMirror`;
-- while this agent holds the controller key, a `Controller` thread decides rounds (`launcher.controller`).
+- while this agent holds the controller key, a `Controller` thread decides rounds (`launcher.rendezvous.controller`).
 Stopping: the main thread sets `_stop_controller` and stops the keeper; all other threads are daemons.
 """
 
@@ -29,16 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic import node_memory
-from launcher import etcd_client
 from launcher.config import LaunchConfig
-from launcher.controller import Controller
-from launcher.etcd_server import free_port
-from launcher.job_view import JobView, ViewParser
-from launcher.lease_keeper import LeaseKeeper
-from launcher.liveness import LivenessServer, probe
-from launcher.membership_log import LogMirror
-from launcher.protocol import Holder, JobStore, NodeIdTaken
-from launcher.records import (
+from launcher.etcd import client as etcd_client
+from launcher.etcd.lease_keeper import LeaseKeeper
+from launcher.etcd.server import free_port
+from launcher.etcd.watch import RangeMirror
+from launcher.rendezvous.controller import Controller
+from launcher.rendezvous.job_view import JobView, ViewParser
+from launcher.rendezvous.liveness import LivenessServer, probe
+from launcher.rendezvous.membership_log import LogMirror
+from launcher.rendezvous.protocol import Holder, JobStore, NodeIdTaken
+from launcher.rendezvous.records import (
     DrainReport,
     DrainRequest,
     JobStatus,
@@ -49,10 +50,9 @@ from launcher.records import (
     RoundHeader,
     StallReport,
 )
-from launcher.warm_workers import JOIN_WAIT_S, WarmPool
-from launcher.watch import RangeMirror
-from launcher.watchdog import Stall, StartupHistory
-from launcher.workers import WorkerGroup, WorkerOutcome, node_worker_env
+from launcher.workers.group import WorkerGroup, WorkerOutcome, node_worker_env
+from launcher.workers.warm_pool import JOIN_WAIT_S, WarmPool
+from launcher.workers.watchdog import Stall, StartupHistory
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class Agent:
 
     def _wait_for_warm_workers_if_the_job_runs(self) -> None:
         """A job that trains already would stand idle in the round that takes us in until our interpreters
-        imported torch: join it once they did (launcher.warm_workers)."""
+        imported torch: join it once they did (launcher.workers.warm_pool)."""
         assert self.warm is not None, "only with warm workers"
         entries, revision, _ = self.mirror.snapshot()
         if self._parser.parse(entries, revision).round_header is None:

@@ -1,7 +1,8 @@
 """What a failed worker's traces say about who caused the failure: a broken network path, or a peer.
 
 When two nodes lose each other but both still reach etcd, every rank of the job fails or hangs, and the
-earliest failure names a node at random. The evidence read here lets `launcher.decisions.charged_nodes` charge
+earliest failure names a node at random. The evidence read here lets
+`launcher.rendezvous.decisions.charged_nodes` charge
 the right ones:
 
 - **a broken path**, from a hung worker's own TCP connections (Linux `/proc/<pid>/net/tcp*`, read before the

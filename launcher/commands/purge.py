@@ -6,9 +6,9 @@ import argparse
 import os
 import sys
 
-from launcher import etcd_client
 from launcher.config import add_rdzv_conf_flag, security_from_rdzv_conf
-from launcher.protocol import JobStore
+from launcher.etcd import client as etcd_client
+from launcher.rendezvous.protocol import JobStore
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from launcher import etcd_client
 from launcher.config import (
     IGNORED_RDZV_CONF_KEYS,
     SECURITY_RDZV_CONF_KEYS,
@@ -27,7 +26,8 @@ from launcher.config import (
     parse_rdzv_conf,
     parse_std_spec,
 )
-from launcher.watchdog import parse_timeout
+from launcher.etcd import client as etcd_client
+from launcher.workers.watchdog import parse_timeout
 
 logger = logging.getLogger("elastic-run")
 
@@ -296,9 +296,9 @@ def _setup_logging(node_id: str) -> None:
 
 
 def run(config: LaunchConfig) -> int:
-    from launcher.agent import Agent
-    from launcher.etcd_server import EtcdServer
-    from launcher.protocol import JobStore
+    from launcher.etcd.server import EtcdServer
+    from launcher.node.agent import Agent
+    from launcher.rendezvous.protocol import JobStore
 
     server = None
     try:
@@ -345,11 +345,11 @@ def run(config: LaunchConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["log"]:
-        from launcher.log_command import main as log_main
+        from launcher.commands.log import main as log_main
 
         return log_main(argv[1:])
     if argv[:1] == ["purge"]:
-        from launcher.purge_command import main as purge_main
+        from launcher.commands.purge import main as purge_main
 
         return purge_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.warm_interpreter import CONTROL_FD_ENV
+from launcher.workers.warm_interpreter import CONTROL_FD_ENV
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -44,8 +44,10 @@ _DIE_WITH_PARENT = (
 
 # The supervisor: a fresh interpreter (-I -S: no site, no PYTHON* variables) that imports only this module.
 _SUPERVISOR_MARK = "elastic-worker-supervisor"
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
-_SUPERVISE = "import sys; sys.path.append(sys.argv[2]); from launcher.process_tree import _supervise; _supervise()"
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_SUPERVISE = (
+    "import sys; sys.path.append(sys.argv[2]); from launcher.workers.process_tree import _supervise; _supervise()"
+)
 _PARENT_GONE_EXIT = 70  # the parent died before the worker could start
 _EXEC_FAILED_EXIT = 127  # as a shell reports a command it cannot run
 _STRAY_KILL_TIMEOUT_S = 10.0
@@ -175,7 +177,7 @@ def _is_supervisor(pid: int) -> bool:
 def child_pids(pid: int) -> list[int]:
     """The workers of `pid` (Linux /proc): its direct children, where a supervisor (`supervised_command`) stands
     for the worker it runs, its first child (or itself, before the worker started), and where warm interpreters
-    that wait for a round (`launcher.warm_workers`) are left out. How a caller finds the workers of an agent it
+    that wait for a round (`launcher.workers.warm_pool`) are left out. How a caller finds the workers of an agent it
     started."""
     processes = _living_processes(zombies=True)
     children: dict[int, list[int]] = {}

@@ -35,9 +35,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from launcher import etcd_client
-from launcher.membership_log import MembershipEvent, new_event
-from launcher.records import (
+from launcher.etcd import client as etcd_client
+from launcher.rendezvous.membership_log import MembershipEvent, new_event
+from launcher.rendezvous.records import (
     DrainReport,
     DrainRequest,
     JobStatus,

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from launcher import etcd_client
+from launcher.etcd import client as etcd_client
 
 logger = logging.getLogger(__name__)
 

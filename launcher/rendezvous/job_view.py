@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from launcher.records import (
+from launcher.etcd.watch import Entry
+from launcher.rendezvous.records import (
     DrainReport,
     DrainRequest,
     JobStatus,
@@ -22,7 +23,6 @@ from launcher.records import (
     RoundRecord,
     StallReport,
 )
-from launcher.watch import Entry
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher import etcd_client
 from launcher.config import EtcdSecurity
-from launcher.process_tree import orphan_safe_command
+from launcher.etcd import client as etcd_client
+from launcher.workers.process_tree import orphan_safe_command
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class EtcdServer:
 
 
 def main() -> int:
-    """`python -m launcher.etcd_server`: run a throwaway etcd in the foreground (for trying multi-node jobs by hand)."""
+    """`python -m launcher.etcd.server`: run a throwaway etcd in the foreground (for trying multi-node jobs by hand)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     with EtcdServer() as server:
         assert server.process is not None, "started by the with statement"

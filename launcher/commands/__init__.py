@@ -1,0 +1,1 @@
+"""The elastic-run command line: launching, the membership log, purge and the timeline."""

@@ -1,0 +1,1 @@
+"""One node's workers: their environment, processes, output, warm interpreters and watchdog."""
