@@ -1,8 +1,8 @@
 """The controller's rules as pure functions: (job view, local clock, now, settings) -> one decision.
 
 Nothing here reads etcd, sleeps or looks at the wall clock; `launcher.rendezvous.controller` applies what `decide`
-returns
-through `launcher.rendezvous.protocol`. The rules, in the order they are tried:
+returns through `launcher.rendezvous.protocol`. The rules, in the order they are tried (rules 4 to 9 are one
+function each):
 
 1. The job has a status: nothing more to do.
 2. Leave notices of nodes that are gone and belong to no round are forgotten.
@@ -323,10 +323,10 @@ def track(view: JobView, clock: Clock, now: float, settings: Settings) -> Clock:
 def decide(view: JobView, clock: Clock, now: float, settings: Settings) -> Decision:
     """The one thing the controller should do next (see the module docstring for the rules)."""
     if view.status is not None:
-        return Wait(None, "the job is over")
+        return Wait(until=None, why="the job is over")
     stale = _stale_leave_notices(view)
     if stale:
-        return ForgetLeft(stale)
+        return ForgetLeft(nodes=stale)
     if view.round is None:
         return _first_round(view, clock, now, settings)
     return _running_round(view, view.round, clock, now, settings)
@@ -352,103 +352,143 @@ def _first_round(view: JobView, clock: Clock, now: float, settings: Settings) ->
         deadline = _set(clock.quorum_since) + settings.last_call_timeout
         if now >= deadline:
             return _form(view, eligible, RoundReason.INITIAL, 0, settings, wall)
-        return Wait(deadline, f"last call: {count} of up to {settings.max_nodes} node(s)")
+        return Wait(until=deadline, why=f"last call: {count} of up to {settings.max_nodes} node(s)")
     deadline = clock.leading_since + settings.join_timeout
     if now >= deadline:
         return EndJob(
-            False,
-            f"rendezvous timed out: {count} of at least {settings.min_nodes} node(s) joined "
+            finished=False,
+            summary=f"rendezvous timed out: {count} of at least {settings.min_nodes} node(s) joined "
             f"within join_timeout={settings.join_timeout:g}s",
         )
-    return Wait(deadline, f"waiting for nodes: {count} of at least {settings.min_nodes}")
+    return Wait(until=deadline, why=f"waiting for nodes: {count} of at least {settings.min_nodes}")
 
 
 def _running_round(view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings) -> Decision:
+    """Rules 4 to 9, in order: the first that has something to do decides."""
+    for rule in (_lost_members, _leaving_members, _failed_workers, _probe_for_stall, _finished):
+        decision = rule(view, round_, clock, now, settings)
+        if decision is not None:
+            return decision
+    return _evict_or_grow(view, round_, clock, now, settings)
+
+
+def _lost_members(view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings) -> Decision | None:
+    """Rule 4: members whose incarnation is gone are marked lost, then a round forms without them, or the job
+    fails once fewer than MIN nodes were left for join_timeout."""
+    gone = [m for m in round_.members if not _alive(view, m)]
+    if not gone:
+        return None
+    reports = view.current()
+    unmarked = {
+        m.node: "lease expired" if m.node not in view.nodes else "registered again as a new incarnation"
+        for m in gone
+        if m.node not in reports.lost and not _leaving(view, m.node, m.incarnation)
+    }
+    if unmarked:
+        return MarkLost(reasons=unmarked)
+    wall = now + clock.wall_offset
+    eligible = _eligible(view, wall)
+    left = [m.node for m in gone if _leaving(view, m.node, m.incarnation)]
+    reason = RoundReason.NODE_LEFT if len(left) == len(gone) else RoundReason.NODE_LOST
+    if len(eligible) >= settings.min_nodes:
+        return _form(view, eligible, reason, round_.restart_count, settings, wall, handled_left=left)
+    deadline = _set(clock.short_since) + settings.join_timeout
+    if now >= deadline:
+        return EndJob(
+            finished=False,
+            summary=f"only {len(eligible)} node(s) left, fewer than MIN={settings.min_nodes}, "
+            f"for join_timeout={settings.join_timeout:g}s",
+        )
+    return Wait(until=deadline, why=f"{len(eligible)} node(s), fewer than MIN={settings.min_nodes}")
+
+
+def _leaving_members(
+    view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings
+) -> Decision | None:
+    """Rule 5: a member that announced it is leaving has its round drained, then is waited for until
+    close_timeout and evicted after it."""
+    leaving = [m for m in round_.members if _leaving(view, m.node, m.incarnation)]
+    if not leaving:
+        return None
+    if settings.drain_timeout and round_.round not in view.drains:
+        return RequestDrain(round=round_.round, reason=RoundReason.NODE_LEFT.value)  # the leaving agent waits for it
+    return _evict_after_close_timeout(
+        leaving,
+        _set(clock.leaving_since),
+        now,
+        settings,
+        "did not finish leaving",
+        f"{', '.join(m.node for m in leaving)} leaving",
+    )
+
+
+def _failed_workers(
+    view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings
+) -> Decision | None:
+    """Rule 6: once every silent member answered the roll call, failed workers are a worker failure: a new
+    round with one more restart, or the end of the job past --max-restarts."""
+    reports = view.current()
+    if not reports.failed:
+        return None
+    rollcall = _roll_call(view, round_, clock, now, settings)
+    if rollcall is not None:
+        return rollcall
+    failures = [f for report in reports.failed.values() for f in report.failures]
+    restarts = round_.restart_count + 1
+    if restarts > settings.max_restarts:
+        cause = root_cause(failures)
+        return EndJob(
+            finished=False, summary=failure_summary(settings.rdzv_id, round_.restart_count, cause), cause=cause
+        )
+    wall = now + clock.wall_offset
+    charged = charged_nodes(failures, round_.members)
+    return _form(view, _eligible(view, wall), RoundReason.WORKER_FAILED, restarts, settings, wall, charged=charged)
+
+
+def _roll_call(view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings) -> Decision | None:
+    """Rule 6, before a failure counts: the silent members are called, their agents probed once, and those that
+    never answer evicted after close_timeout. None: every member reported or answered."""
+    silent = _silent(view)
+    if not silent:
+        return None
+    rollcall = view.rollcalls.get(round_.round)
+    if rollcall is None:
+        return CallRollCall(round=round_.round)
+    reports = view.current()
+    unanswered = [m for m in silent if reports.alive.get(m.node) != rollcall.nonce]
+    unprobed = {
+        m.node: view.nodes[m.node]
+        for m in unanswered
+        if settings.probe_timeout and m.node not in clock.probed and view.nodes[m.node].probe_port
+    }
+    if unprobed:
+        return ProbeMembers(members=unprobed)
+    if not unanswered:
+        return None
+    return _evict_after_close_timeout(
+        unanswered,
+        _set(clock.rollcall_since),
+        now,
+        settings,
+        "did not answer the roll call",
+        f"roll call: {len(unanswered)} member(s) have not answered",
+    )
+
+
+def _finished(view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings) -> Decision | None:
+    """Rule 8: every member reported success."""
+    if not all(m.node in view.current().done for m in round_.members):
+        return None
+    return EndJob(finished=True, summary=f"job {settings.rdzv_id} finished")
+
+
+def _evict_or_grow(view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings) -> Decision:
+    """Rule 9: members that did not start the round are evicted after close_timeout; waiting nodes that fit form
+    a scale-up round, drained first; otherwise wait for the earliest deadline of rules 7 and 9 and quarantines."""
     reports = view.current()
     wall = now + clock.wall_offset
     eligible = _eligible(view, wall)
     members = round_.members
-
-    gone = [m for m in members if not _alive(view, m)]
-    if gone:
-        unmarked = {
-            m.node: "lease expired" if m.node not in view.nodes else "registered again as a new incarnation"
-            for m in gone
-            if m.node not in reports.lost and not _leaving(view, m.node, m.incarnation)
-        }
-        if unmarked:
-            return MarkLost(unmarked)
-        left = [m.node for m in gone if _leaving(view, m.node, m.incarnation)]
-        reason = RoundReason.NODE_LEFT if len(left) == len(gone) else RoundReason.NODE_LOST
-        if len(eligible) >= settings.min_nodes:
-            return _form(view, eligible, reason, round_.restart_count, settings, wall, handled_left=left)
-        deadline = _set(clock.short_since) + settings.join_timeout
-        if now >= deadline:
-            return EndJob(
-                False,
-                f"only {len(eligible)} node(s) left, fewer than MIN={settings.min_nodes}, "
-                f"for join_timeout={settings.join_timeout:g}s",
-            )
-        return Wait(deadline, f"{len(eligible)} node(s), fewer than MIN={settings.min_nodes}")
-
-    leaving = [m for m in members if _leaving(view, m.node, m.incarnation)]
-    if leaving:
-        if settings.drain_timeout and round_.round not in view.drains:
-            return RequestDrain(round_.round, RoundReason.NODE_LEFT.value)  # the leaving agent waits for it
-        return _evict_after_close_timeout(
-            leaving,
-            _set(clock.leaving_since),
-            now,
-            settings,
-            "did not finish leaving",
-            f"{', '.join(m.node for m in leaving)} leaving",
-        )
-
-    if reports.failed:
-        silent = _silent(view)
-        if silent:
-            rollcall = view.rollcalls.get(round_.round)
-            if rollcall is None:
-                return CallRollCall(round_.round)
-            unanswered = [m for m in silent if reports.alive.get(m.node) != rollcall.nonce]
-            unprobed = {
-                m.node: view.nodes[m.node]
-                for m in unanswered
-                if settings.probe_timeout and m.node not in clock.probed and view.nodes[m.node].probe_port
-            }
-            if unprobed:
-                return ProbeMembers(unprobed)
-            if unanswered:
-                return _evict_after_close_timeout(
-                    unanswered,
-                    _set(clock.rollcall_since),
-                    now,
-                    settings,
-                    "did not answer the roll call",
-                    f"roll call: {len(unanswered)} member(s) have not answered",
-                )
-        failures = [f for report in reports.failed.values() for f in report.failures]
-        restarts = round_.restart_count + 1
-        if restarts > settings.max_restarts:
-            cause = root_cause(failures)
-            return EndJob(False, failure_summary(settings.rdzv_id, round_.restart_count, cause), cause)
-        return _form(
-            view,
-            eligible,
-            RoundReason.WORKER_FAILED,
-            restarts,
-            settings,
-            wall,
-            charged=charged_nodes(failures, members),
-        )
-
-    probe = _probe_for_stall(view, clock, now, settings)
-    if probe is not None:
-        return probe
-
-    if all(m.node in reports.done for m in members):
-        return EndJob(True, f"job {settings.rdzv_id} finished")
-
     deadlines: list[float] = []
     unstarted = [m for m in members if m.node not in reports.acked and m.node not in reports.done]
     if unstarted:
@@ -468,12 +508,12 @@ def _running_round(view: JobView, round_: RoundRecord, clock: Clock, now: float,
     waiting = _waiting(view, eligible)
     growing = bool(waiting) and len(members) < settings.max_nodes
     if round_.round in view.drains and not growing:
-        return WithdrawDrain(round_.round)
+        return WithdrawDrain(round=round_.round)
     if growing:
         deadline = _set(clock.joiner_since) + settings.last_call_timeout
         if len(members) + len(waiting) >= settings.max_nodes or now >= deadline:
             if settings.drain_timeout and round_.round not in view.drains:
-                return RequestDrain(round_.round, RoundReason.SCALE_UP.value)
+                return RequestDrain(round=round_.round, reason=RoundReason.SCALE_UP.value)
             drain_deadline = (clock.drain_since or now) + settings.drain_timeout
             if not settings.drain_timeout or _drained(view) or now >= drain_deadline:
                 return _form(view, eligible, RoundReason.SCALE_UP, round_.restart_count, settings, wall)
@@ -485,7 +525,7 @@ def _running_round(view: JobView, round_: RoundRecord, clock: Clock, now: float,
     stall_probed_at = clock.stall_probed_at
     if stall_probed_at is not None and _stall_suspects(view, settings):
         deadlines.append(stall_probed_at + STALL_PROBE_EVERY_S)  # probed again then, if the stall lasts
-    return Wait(min(deadlines) if deadlines else None, "round running")
+    return Wait(until=min(deadlines) if deadlines else None, why="round running")
 
 
 def _stall_suspects(view: JobView, settings: Settings) -> dict[str, NodeRecord]:
@@ -502,14 +542,16 @@ def _stall_suspects(view: JobView, settings: Settings) -> dict[str, NodeRecord]:
     }
 
 
-def _probe_for_stall(view: JobView, clock: Clock, now: float, settings: Settings) -> ProbeMembers | None:
+def _probe_for_stall(
+    view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings
+) -> ProbeMembers | None:
     """Rule 7: probe the suspects of a stall, unless they were probed less than STALL_PROBE_EVERY_S ago."""
     suspects = _stall_suspects(view, settings)
     if not suspects:
         return None
     if clock.stall_probed_at is not None and now < clock.stall_probed_at + STALL_PROBE_EVERY_S:
         return None
-    return ProbeMembers(suspects, stall=True)
+    return ProbeMembers(members=suspects, stall=True)
 
 
 def _drain_answers(view: JobView) -> dict[str, DrainReport]:
@@ -546,9 +588,9 @@ def _evict_after_close_timeout(
     """Members that `failed_to` do something within close_timeout of `since` are evicted: lost, and fenced."""
     deadline = since + settings.close_timeout
     if now < deadline:
-        return Wait(deadline, waiting_for)
+        return Wait(until=deadline, why=waiting_for)
     reason = f"{failed_to} within close_timeout={settings.close_timeout:g}s"
-    return MarkLost({m.node: reason for m in members}, {m.node: m.incarnation for m in members})
+    return MarkLost(reasons={m.node: reason for m in members}, revoke={m.node: m.incarnation for m in members})
 
 
 def _form(
@@ -580,14 +622,14 @@ def _form(
     readmitted = sorted(set(previous.quarantined) - set(quarantined)) if previous is not None else []
     members = assign_ranks(previous, eligible, settings.max_nodes)
     return FormRound(
-        number,
-        members,
-        reason,
-        restart_count,
-        list(handled_left),
-        strikes,
-        quarantined,
-        newly,
-        readmitted,
-        _drain_outcome(view),
+        number=number,
+        members=members,
+        reason=reason,
+        restart_count=restart_count,
+        handled_left=list(handled_left),
+        strikes=strikes,
+        quarantined=quarantined,
+        newly_quarantined=newly,
+        readmitted=readmitted,
+        drain=_drain_outcome(view),
     )
