@@ -54,6 +54,7 @@ SETTINGS = Settings(
     quarantine_cooldown=300,
 )
 T0 = 1000.0  # the controller started leading at T0
+ROLL_CALL_OPEN = Wait(until=T0 + 30, why="roll call: 1 member(s) have not answered")  # called at T0: close_timeout
 
 
 def node(name: str, lease: int = 1, joined_at: float = 0.0) -> NodeRecord:
@@ -95,29 +96,36 @@ def at(job: JobView, since: float, now: float, settings: Settings = SETTINGS):
 @pytest.mark.parametrize(
     "names, since, now, expected",
     [
-        (("a",), T0, T0 + 1, Wait),  # fewer than MIN: wait for join_timeout
+        # fewer than MIN: wait for join_timeout from when the controller started leading
+        (("a",), T0, T0 + 1, Wait(until=T0 + 60, why="waiting for nodes: 1 of at least 2")),
+        (("a",), T0 + 30, T0 + 31, Wait(until=T0 + 60, why="waiting for nodes: 1 of at least 2")),
         (("a",), T0, T0 + 60, EndJob),  # ... and past it the job fails
-        (("a", "b"), T0, T0 + 4.9, Wait),  # MIN present: last call
+        # MIN present: last call, from when they were first present
+        (("a", "b"), T0, T0 + 4.9, Wait(until=T0 + 5, why="last call: 2 of up to 3 node(s)")),
+        (("a", "b"), T0 + 30, T0 + 31, Wait(until=T0 + 35, why="last call: 2 of up to 3 node(s)")),
         (("a", "b"), T0, T0 + 5, FormRound),  # last call over
         (("a", "b", "c"), T0, T0, FormRound),  # MAX present: at once
     ],
 )
 def test_first_round_waits_for_quorum_then_last_call(names, since, now, expected):
     decision = at(view(*names), since, now)
+    if isinstance(expected, Wait):
+        assert decision == expected
+        return
     assert type(decision) is expected
     if expected is FormRound:
         assert (decision.number, decision.reason, decision.restart_count) == (0, RoundReason.INITIAL, 0)
         assert [m.node for m in decision.members] == sorted(names)
     if expected is EndJob:
         assert not decision.finished and "rendezvous timed out: 1 of at least 2" in decision.summary
-    if expected is Wait:
-        assert decision.until in (T0 + 60, T0 + 5)
 
 
 def test_last_call_counts_from_when_min_nodes_were_first_present():
     _, clock = settle(view("a"), T0)
     _, clock = settle(view("a", "b"), T0 + 10, clock)
-    assert isinstance(decide(view("a", "b"), clock, T0 + 14, SETTINGS), Wait)
+    assert decide(view("a", "b"), clock, T0 + 14, SETTINGS) == Wait(
+        until=T0 + 15, why="last call: 2 of up to 3 node(s)"
+    )
     assert isinstance(decide(view("a", "b"), clock, T0 + 15, SETTINGS), FormRound)
 
 
@@ -135,13 +143,15 @@ def test_a_running_round_with_every_member_started_waits_for_a_change():
 def test_scale_up_after_last_call_or_at_once_when_max_is_reached():
     running = dict(round_of=("a", "b"), acked={"a", "b"})
     four_node_max = dataclasses.replace(SETTINGS, max_nodes=4)
-    assert isinstance(at(view("a", "b", "c", **running), T0, T0 + 4, four_node_max), Wait)
+    assert at(view("a", "b", "c", **running), T0, T0 + 4, four_node_max) == Wait(until=T0 + 5, why="round running")
     grown = at(view("a", "b", "c", **running), T0, T0 + 5, four_node_max)
     assert (type(grown), grown.reason, grown.number) == (FormRound, RoundReason.SCALE_UP, 1)
     assert [m.node for m in grown.members] == ["a", "b", "c"]
     assert type(at(view("a", "b", "c", **running), T0, T0)) is FormRound, "MAX reached: no last call"
     two_node_max = dataclasses.replace(SETTINGS, max_nodes=2)
-    assert isinstance(at(view("a", "b", "c", **running), T0, T0 + 100, two_node_max), Wait), "full: c is a spare"
+    assert at(view("a", "b", "c", **running), T0, T0 + 100, two_node_max) == Wait(until=None, why="round running"), (
+        "full: c is a spare"
+    )
 
 
 # -- drains before planned changes -------------------------------------------------------------------------------
@@ -171,7 +181,7 @@ def test_a_leaving_member_drains_the_round_and_a_drain_whose_change_is_off_is_wi
     job = view("a", "b", round_of=("a", "b"), acked={"a", "b"})
     job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
     assert at(job, T0, T0, DRAINING) == RequestDrain(0, "node_left")
-    assert isinstance(at(job, T0, T0), Wait), "drain_timeout=0: no drain"
+    assert at(job, T0, T0) == Wait(until=T0 + 30, why="b leaving"), "drain_timeout=0: no drain"
     job.left.clear()  # the notice is gone but b still runs: nothing planned any more
     job.drains[0] = DrainRequest(round=0, number=7, reason="node_left")
     assert at(job, T0, T0, DRAINING) == WithdrawDrain(0)
@@ -179,7 +189,7 @@ def test_a_leaving_member_drains_the_round_and_a_drain_whose_change_is_off_is_wi
 
 def test_members_that_never_start_the_round_are_evicted_after_close_timeout():
     job = view("a", "b", round_of=("a", "b"), acked={"a"})
-    assert isinstance(at(job, T0, T0 + 29), Wait)
+    assert at(job, T0, T0 + 29) == Wait(until=T0 + 30, why="round running")
     decision = at(job, T0, T0 + 30)
     assert decision == MarkLost({"b": "did not start round 0 within close_timeout=30s"}, {"b": 1})
 
@@ -210,7 +220,7 @@ def test_failures_while_a_member_is_silent_call_the_roll_and_wait_without_a_time
     assert at(job, T0, T0) == CallRollCall(0)
     job.rollcalls[0] = RollCall(round=0, nonce="n1")
     # b's etcd lease outlives b by far (a slow etcd): however long, the failure is not charged
-    assert isinstance(at(job, T0, T0 + 29), Wait)
+    assert at(job, T0, T0 + 29) == ROLL_CALL_OPEN
     del job.nodes["b"]  # the lease ended at last
     assert at(job, T0, T0 + 29) == MarkLost({"b": "lease expired"})
 
@@ -221,14 +231,14 @@ def test_a_silent_member_is_probed_once_when_probes_are_on_and_its_agent_has_a_p
         "a", "b", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"}, failed={"a": failure("a")}, alive={"c": "n1"}
     )
     job.rollcalls[0] = RollCall(round=0, nonce="n1")
-    assert isinstance(at(job, T0, T0, probing), Wait), "b registered no probe port (an older agent): no probe"
+    assert at(job, T0, T0, probing) == ROLL_CALL_OPEN, "b registered no probe port (an older agent): no probe"
     job.nodes["b"] = job.nodes["b"].model_copy(update={"probe_port": 4100})
-    assert at(job, T0, T0) == Wait(T0 + 30, "roll call: 1 member(s) have not answered"), "probes are off"
+    assert at(job, T0, T0) == ROLL_CALL_OPEN, "probes are off"
     decision = at(job, T0, T0, probing)
     assert decision == ProbeMembers({"b": job.nodes["b"]}), "b only: c answered the roll call"
     _, clock = settle(job, T0, settings=probing)
     clock = dataclasses.replace(clock, probed=frozenset({"b"}))  # the controller probed it; it answered
-    assert isinstance(decide(job, clock, T0 + 1, probing), Wait), "probed once per round"
+    assert decide(job, clock, T0 + 1, probing) == ROLL_CALL_OPEN, "probed once per round"
 
 
 PROBING = dataclasses.replace(SETTINGS, probe_timeout=0.5)
@@ -269,7 +279,7 @@ def test_a_stall_is_probed_again_while_it_lasts_and_never_without_probes_or_port
     clock = dataclasses.replace(clock, stall_probed_at=T0)  # the controller probed b and c; both answered
     assert decide(job, clock, T0 + 0.5, PROBING) == Wait(T0 + STALL_PROBE_EVERY_S, "round running")
     assert isinstance(decide(job, clock, T0 + STALL_PROBE_EVERY_S, PROBING), ProbeMembers), "still stalled: again"
-    assert isinstance(at(job, T0, T0), Wait), "probes are off"
+    assert at(job, T0, T0) == Wait(until=None, why="round running"), "probes are off"
     job.nodes["b"] = job.nodes["b"].model_copy(update={"probe_port": 0})
     assert set(at(job, T0, T0, PROBING).members) == {"c"}, "b registered no probe port (an older agent)"
 
@@ -303,7 +313,7 @@ def test_a_silent_member_that_answers_the_roll_call_makes_it_a_worker_failure():
 def test_an_answer_to_an_earlier_roll_call_does_not_count():
     job = view("a", "b", round_of=("a", "b"), acked={"a", "b"}, failed={"a": failure("a")}, alive={"b": "old"})
     job.rollcalls[0] = RollCall(round=0, nonce="n1")
-    assert isinstance(at(job, T0, T0), Wait)
+    assert at(job, T0, T0) == ROLL_CALL_OPEN
 
 
 def test_a_member_that_never_answers_the_roll_call_is_evicted_as_lost_after_close_timeout():
@@ -323,7 +333,7 @@ def test_failures_past_max_restarts_end_the_job_with_the_earliest_as_root_cause(
 
 def test_fewer_than_min_nodes_after_a_loss_fail_the_job_after_join_timeout():
     job = view("a", round_of=("a", "b"), acked={"a", "b"}, lost={"b": "lease expired"})
-    assert isinstance(at(job, T0, T0 + 59), Wait)
+    assert at(job, T0, T0 + 59) == Wait(until=T0 + 60, why="1 node(s), fewer than MIN=2")
     decision = at(job, T0, T0 + 60)
     assert type(decision) is EndJob and "only 1 node(s) left, fewer than MIN=2" in decision.summary
 
@@ -343,7 +353,7 @@ def test_a_node_registered_again_never_reenters_the_round_of_its_previous_incarn
 def test_a_leaving_member_holds_the_round_until_it_is_gone_and_its_peers_failures_are_not_charged():
     job = view("a", "b", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"}, failed={"a": failure("a")})
     job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
-    assert isinstance(at(job, T0, T0 + 29), Wait)
+    assert at(job, T0, T0 + 29) == Wait(until=T0 + 30, why="b leaving")
     del job.nodes["b"]  # b's workers exited, it wrote node_left and dropped its registration
     decision = at(job, T0, T0 + 29)
     assert (type(decision), decision.reason, decision.restart_count) == (FormRound, RoundReason.NODE_LEFT, 0)
