@@ -237,7 +237,7 @@ def test_a_silent_member_is_probed_once_when_probes_are_on_and_its_agent_has_a_p
     decision = at(job, T0, T0, probing)
     assert decision == ProbeMembers({"b": job.nodes["b"]}), "b only: c answered the roll call"
     _, clock = settle(job, T0, settings=probing)
-    clock = dataclasses.replace(clock, probed=frozenset({"b"}))  # the controller probed it; it answered
+    clock = track(job, clock, T0, probing, applied=decision)  # the controller probed b; it answered
     assert decide(job, clock, T0 + 1, probing) == ROLL_CALL_OPEN, "probed once per round"
 
 
@@ -275,8 +275,8 @@ def test_a_stall_probes_the_members_that_are_not_stalled(reports, probed):
 
 def test_a_stall_is_probed_again_while_it_lasts_and_never_without_probes_or_ports():
     job = stalled_round(stalled={"a": STALL})
-    _, clock = settle(job, T0, settings=PROBING)
-    clock = dataclasses.replace(clock, stall_probed_at=T0)  # the controller probed b and c; both answered
+    decision, clock = settle(job, T0, settings=PROBING)
+    clock = track(job, clock, T0, PROBING, applied=decision)  # the controller probed b and c; both answered
     assert decide(job, clock, T0 + 0.5, PROBING) == Wait(T0 + STALL_PROBE_EVERY_S, "round running")
     assert isinstance(decide(job, clock, T0 + STALL_PROBE_EVERY_S, PROBING), ProbeMembers), "still stalled: again"
     assert at(job, T0, T0) == Wait(until=None, why="round running"), "probes are off"
@@ -286,12 +286,32 @@ def test_a_stall_is_probed_again_while_it_lasts_and_never_without_probes_or_port
 
 def test_a_stall_never_costs_a_restart_and_a_failure_goes_by_the_failure_rules():
     job = stalled_round(stalled={"a": STALL})
-    _, clock = settle(job, T0, settings=PROBING)
-    clock = dataclasses.replace(clock, stall_probed_at=T0)
+    decision, clock = settle(job, T0, settings=PROBING)
+    clock = track(job, clock, T0, PROBING, applied=decision)
     for now in (T0 + 0.5, T0 + 600):  # however long it lasts: no round, no eviction, no restart
         assert not isinstance(decide(job, clock, now, PROBING), FormRound | MarkLost | EndJob)
     job.reports[0].failed["a"] = failure("a")
     assert decide(job, clock, T0 + 1, PROBING) == CallRollCall(0)
+
+
+@pytest.mark.parametrize(
+    "number, applied, probed, stall_probed_at",
+    [
+        (0, None, {"a"}, T0),  # nothing applied: nothing to remember
+        (0, CallRollCall(round=0), {"a"}, T0),  # the roll call is in etcd: the view shows it
+        (0, ProbeMembers(members={"b": node("b")}), {"a", "b"}, T0),  # b is probed no more this round
+        (0, ProbeMembers(members={"b": node("b")}, stall=True), {"a"}, T0 + 1),  # the next stall probe is due later
+        (1, None, set(), None),  # a new round: none of its members was probed yet
+    ],
+)
+def test_track_remembers_the_probes_the_controller_makes(number, applied, probed, stall_probed_at):
+    """Probes leave nothing in etcd: the clock is what keeps rules 6 and 7 from repeating them."""
+    _, clock = settle(stalled_round(), T0, settings=PROBING)
+    clock = dataclasses.replace(clock, probed=frozenset({"a"}), stall_probed_at=T0)  # round 0 probed a, and a stall
+    job = stalled_round()
+    job.round = job.round.model_copy(update={"round": number})
+    clock = track(job, clock, T0 + 1, PROBING, applied=applied)
+    assert (clock.probed, clock.stall_probed_at) == (probed, stall_probed_at)
 
 
 def test_a_stall_suspect_that_fails_its_probe_is_lost_and_the_round_forms_without_it():

@@ -8,7 +8,6 @@ stops it, or when it sees that it no longer holds the controller key.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import threading
@@ -116,10 +115,7 @@ class Controller:
                 mirror.wait(version, max(timeout, 0.0))
                 stop.wait(min(_MAX_PAUSE_S, _PAUSE_PER_READ * read_cost))
                 continue
-            if isinstance(decision, ProbeMembers) and decision.stall:
-                clock = dataclasses.replace(clock, stall_probed_at=now)
-            elif isinstance(decision, ProbeMembers):
-                clock = dataclasses.replace(clock, probed=clock.probed | set(decision.members))
+            clock = track(view, clock, now, self.settings, applied=decision)  # remembers the probes it makes
             try:
                 self._apply(decision, view)
             except Exception as exc:

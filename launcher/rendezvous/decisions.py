@@ -95,7 +95,7 @@ class Clock:
     joiner_since: float | None = None  # a node waits outside a round that has room
     rollcall_since: float | None = None
     leaving_since: float | None = None
-    probed: frozenset[str] = frozenset()  # members of this round the controller probed (it adds them)
+    probed: frozenset[str] = frozenset()  # members of this round the controller probed
     stall_probed_at: float | None = None  # when the controller last probed members because of a stall
     drain_since: float | None = None  # this round's drain was requested
 
@@ -291,8 +291,12 @@ def _since(current: float | None, holds: bool, now: float) -> float | None:
     return now if current is None else current
 
 
-def track(view: JobView, clock: Clock, now: float, settings: Settings) -> Clock:
-    """The clock after looking at `view` at `now`: conditions that began are stamped, those that ended cleared."""
+def track(view: JobView, clock: Clock, now: float, settings: Settings, applied: Decision | None = None) -> Clock:
+    """The clock after looking at `view` at `now`: conditions that began are stamped, those that ended cleared.
+
+    `applied` is the decision the controller applies at `now`: the probes it makes are remembered here, since
+    they leave nothing in etcd, so that rule 6 probes a member once a round and rule 7 once a stall interval.
+    """
     number = view.round.round if view.round is not None else None
     if number != clock.round:
         clock = Clock(
@@ -308,6 +312,10 @@ def track(view: JobView, clock: Clock, now: float, settings: Settings) -> Clock:
     leaving = [m for m in members if _alive(view, m) and _leaving(view, m.node, m.incarnation)]
     has_room = view.round is not None and len(members) < settings.max_nodes
     rollcall = view.round is not None and view.round.round in view.rollcalls
+    if isinstance(applied, ProbeMembers) and applied.stall:
+        clock = dataclasses.replace(clock, stall_probed_at=now)
+    elif isinstance(applied, ProbeMembers):
+        clock = dataclasses.replace(clock, probed=clock.probed | set(applied.members))
     return dataclasses.replace(
         clock,
         quorum_since=_since(clock.quorum_since, view.round is None and len(eligible) >= settings.min_nodes, now),
