@@ -27,7 +27,6 @@ from launcher.rendezvous.decisions import (
     MarkLost,
     ProbeMembers,
     RequestDrain,
-    RoundReason,
     Settings,
     Wait,
     WithdrawDrain,
@@ -39,6 +38,7 @@ from launcher.rendezvous.liveness import probe
 from launcher.rendezvous.membership_log import LogMirror, new_event
 from launcher.rendezvous.protocol import Holder, JobStore
 from launcher.rendezvous.records import DrainRequest, JobStatus, RoundRecord
+from launcher.rendezvous.round_events import round_events
 
 logger = logging.getLogger(__name__)
 
@@ -174,56 +174,7 @@ class Controller:
             decision.strikes,
             decision.quarantined,
         )
-        events = []
-        for node in decision.newly_quarantined:
-            events.append(
-                new_event(
-                    "node_quarantined",
-                    round=decision.number,
-                    node=node,
-                    reason=f"caused the worker failure of {self.settings.quarantine_after} consecutive rounds",
-                    message=f"kept out of rounds for {self.settings.quarantine_cooldown:g}s",
-                )
-            )
-        events += [
-            new_event("node_readmitted", round=decision.number, node=node, reason="quarantine over")
-            for node in decision.readmitted
-        ]
-        drain = decision.drain
-        drained_round = view.round.round if view.round is not None else None  # a drain belongs to a running round
-        if drain is not None and drain.committed and drain.step is not None:
-            events.append(new_event("drain_committed", round=drained_round, step=drain.step))
-        elif drain is not None and not drain.committed:
-            events.append(
-                new_event(
-                    "drain_timed_out",
-                    round=drained_round,
-                    step=drain.step,
-                    message=f"not every member drained within --drain-timeout "
-                    f"{self.settings.drain_timeout:g}s; steps since the last checkpoint "
-                    "are redone",
-                )
-            )
-        if decision.reason is RoundReason.WORKER_FAILED:
-            events.append(
-                new_event(
-                    "restart",
-                    round=decision.number,
-                    restart_count=decision.restart_count,
-                    reason=decision.reason.value,
-                    message=f"restart {decision.restart_count} of --max-restarts {self.settings.max_restarts}",
-                )
-            )
-        events.append(
-            new_event(
-                "round_started",
-                round=decision.number,
-                world_size=record.world_size,
-                members=record.member_summary(),
-                reason=decision.reason.value,
-                restart_count=decision.restart_count,
-            )
-        )
+        events = round_events(decision, record, self.settings, time.time())
         if self.store.form_round(self.holder, view.round_revision, record, events, decision.handled_left):
             members = decision.members
             ranks = ", ".join(f"{m.node}:{m.first_rank}-{m.last_rank}" for m in members[:16])

@@ -123,6 +123,7 @@ class FormRound:
 
 @dataclass(frozen=True)
 class DrainOutcome:
+    round: int  # the round that was drained: the one the new round replaces
     committed: bool  # every member answered; False: drain_timeout passed first
     step: int | None  # the step its workers checkpointed (None: no worker drains)
 
@@ -581,7 +582,7 @@ def _drain_outcome(view: JobView) -> DrainOutcome | None:
     if view.round is None or view.round.round not in view.drains:
         return None
     steps = [r.step for r in _drain_answers(view).values() if r.step is not None]
-    return DrainOutcome(committed=_drained(view), step=max(steps, default=None))
+    return DrainOutcome(round=view.round.round, committed=_drained(view), step=max(steps, default=None))
 
 
 def _set(since: float | None) -> float:
