@@ -13,14 +13,15 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import assert_never
 
 from launcher.config import LaunchConfig
 from launcher.etcd import client as etcd_client
 from launcher.etcd.watch import RangeMirror
 from launcher.rendezvous.decisions import (
+    Action,
     CallRollCall,
     Clock,
-    Decision,
     EndJob,
     ForgetLeft,
     FormRound,
@@ -139,31 +140,37 @@ class Controller:
             logger.debug("membership log mirror failed: %s", exc)
 
     # -- applying decisions --------------------------------------------------------------------------------
-    def _apply(self, decision: Decision, view: JobView) -> None:
-        if isinstance(decision, FormRound):
-            self._form(decision, view)
-        elif isinstance(decision, MarkLost):
-            self._mark_lost(decision, view)
-        elif isinstance(decision, CallRollCall):
-            if self.store.call_rollcall(self.holder, decision.round, view.round_revision):
-                logger.info("round %d: workers failed while members are silent; roll call", decision.round)
-        elif isinstance(decision, ProbeMembers):
-            self._probe(decision, view)
-        elif isinstance(decision, RequestDrain):
-            request = DrainRequest(round=decision.round, number=random.randrange(1, 2**63), reason=decision.reason)
-            if self.store.request_drain(self.holder, view.round_revision, request):
-                logger.info(
-                    "round %d: %s; asking its workers to checkpoint at their next step and wait",
-                    decision.round,
-                    decision.reason,
-                )
-        elif isinstance(decision, WithdrawDrain):
-            self.store.withdraw_drain(self.holder, decision.round)
-            logger.info("round %d: the change it was drained for is off; withdrawing the drain", decision.round)
-        elif isinstance(decision, ForgetLeft):
-            self.store.forget_left(self.holder, decision.nodes)
-        elif isinstance(decision, EndJob):
-            self._end(decision, view)
+    def _apply(self, decision: Action, view: JobView) -> None:
+        match decision:
+            case FormRound():
+                self._form(decision, view)
+            case MarkLost():
+                self._mark_lost(decision, view)
+            case CallRollCall():
+                if self.store.call_rollcall(self.holder, decision.round, view.round_revision):
+                    logger.info("round %d: workers failed while members are silent; roll call", decision.round)
+            case ProbeMembers():
+                self._probe(decision, view)
+            case RequestDrain():
+                self._request_drain(decision, view)
+            case WithdrawDrain():
+                self.store.withdraw_drain(self.holder, decision.round)
+                logger.info("round %d: the change it was drained for is off; withdrawing the drain", decision.round)
+            case ForgetLeft():
+                self.store.forget_left(self.holder, decision.nodes)
+            case EndJob():
+                self._end(decision, view)
+            case _:
+                assert_never(decision)
+
+    def _request_drain(self, decision: RequestDrain, view: JobView) -> None:
+        request = DrainRequest(round=decision.round, number=random.randrange(1, 2**63), reason=decision.reason)
+        if self.store.request_drain(self.holder, view.round_revision, request):
+            logger.info(
+                "round %d: %s; asking its workers to checkpoint at their next step and wait",
+                decision.round,
+                decision.reason,
+            )
 
     def _form(self, decision: FormRound, view: JobView) -> None:
         record = RoundRecord.of(
@@ -206,7 +213,8 @@ class Controller:
             answers = pool.map(lambda r: probe(r.addr, r.probe_port, r.lease, self.settings.probe_timeout), targets)
         failed = {record.node: miss.reason for record, miss in zip(targets, answers) if miss is not None}
         if failed:
-            self._mark_lost(MarkLost(failed, {node: decision.members[node].lease for node in failed}), view)
+            revoke = {node: decision.members[node].lease for node in failed}
+            self._mark_lost(MarkLost(reasons=failed, revoke=revoke), view)
 
     def _end(self, decision: EndJob, view: JobView) -> None:
         status = JobStatus(state="finished" if decision.finished else "failed", summary=decision.summary)

@@ -174,9 +174,8 @@ class EndJob:
     cause: WorkerFailure | None = None
 
 
-Decision = (
-    Wait | FormRound | MarkLost | CallRollCall | ProbeMembers | RequestDrain | WithdrawDrain | ForgetLeft | EndJob
-)
+Action = FormRound | MarkLost | CallRollCall | ProbeMembers | RequestDrain | WithdrawDrain | ForgetLeft | EndJob
+Decision = Wait | Action
 
 
 # -- pure helpers ----------------------------------------------------------------------------------------------
