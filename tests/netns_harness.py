@@ -267,6 +267,7 @@ class PartitionNetwork(Network):
             self._etcd_data = Path(tempfile.mkdtemp(prefix="elastic-netns-etcd-", dir=shm))
         self.cut_links: set[str] = set()  # switch ports now down
         self.blackholes: list[tuple[str, str]] = []  # (namespace, address): blackhole/unreachable routes in place
+        self.member_processes: list[subprocess.Popen] = []
 
     @property
     def namespaces(self) -> list[str]:
@@ -334,7 +335,7 @@ class PartitionNetwork(Network):
                 "--log-level",
                 "warn",
             ]
-            self.popen(ns, command, self.root / f"etcd-{name}.log")
+            self.member_processes.append(self.popen(ns, command, self.root / f"etcd-{name}.log"))
         urls = [f"http://{addr}:{ETCD_PORT}/health" for addr in self.member_addrs]
         probe = (
             "import json, sys, time, urllib.request\n"
@@ -439,6 +440,12 @@ class PartitionNetwork(Network):
 
     def heal_member(self, member: int) -> None:
         self._set_port(_member_port(member), True)
+
+    def kill_member(self, member: int) -> None:
+        """etcd member `member`'s process is SIGKILLed: its peers and clients see their connections refused."""
+        process = self.member_processes[member]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
 
     def cut_pair(self, a: int, b: int, how: str = "drop") -> str:
         """Nodes `a` and `b` no longer reach each other on the peer LAN; both still reach etcd and the other peers.

@@ -29,6 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "examples" / "collective_probe.py"
 # lease TTL 2 s (0.5 s x 3, rounded up): an agent that etcd has not answered for 1.5 s fences itself
 FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=60"
+# elastic-run's default lease: TTL 3 s (1 s x 3), fencing after 2.25 s without etcd
+DEFAULT_LEASE_RDZV = "last_call_timeout=1,join_timeout=60"
 # lease TTL 6 s: fencing only after 5 s without etcd
 SLOW_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=6,last_call_timeout=1,join_timeout=60"
 FENCE_TEXT = "killing the workers before the job moves on without them"
@@ -48,13 +50,13 @@ def make_network(tmp_path):
         pytest.skip(reason)
     made: list[PartitionNetwork] = []
 
-    def make(nodes: int, etcd_members: int = 1) -> PartitionNetwork:
+    def make(nodes: int, etcd_members: int = 1, **etcd_timing: int) -> PartitionNetwork:
         root = tmp_path / f"net{len(made)}"
         root.mkdir()
         net = PartitionNetwork(nodes, root, etcd_members=etcd_members)
         made.append(net)
         net.create()
-        net.start_etcd()
+        net.start_etcd(**etcd_timing)
         return net
 
     try:
@@ -390,42 +392,60 @@ def _assert_undisturbed(job: Job, case: str, pids: dict[int, set[int]], fault_at
         assert {c["pid"] for c in job.collectives(i)} == pids[i], f"node{i}'s worker changed\n{job.dump()}"
 
 
+def _wait_for_new_leader(net: PartitionNetwork, members: list[int], old: int, old_term: int) -> tuple[int, float]:
+    """The member of `members` that leads in a later raft term than `old` did, and the seconds it took to see it."""
+    started = time.monotonic()
+    while time.monotonic() - started < 15:
+        status = net.etcd_status(members)
+        leader = net.etcd_leader(members)
+        if leader is not None and leader != old and status[leader]["term"] > old_term:
+            return leader, time.monotonic() - started
+        time.sleep(0.1)
+    raise AssertionError(f"no new etcd leader among m{members} within 15s: {net.etcd_status()}")
+
+
 @pytest.mark.timeout(300)
-def test_etcd_leader_cut_mid_run_changes_nothing(make_network, tmp_path):
-    """Case 3a: a 3-member etcd cluster loses its leader (the member the controller talks to) for good: the other
-    two elect a new one and the agents fail over to them, with no restart and no membership change. The lease is
-    6 s here: with 2 s (fencing after 1.5 s) a silent leader loss costs every agent its lease confirmations for
-    longer than that (a follower forwards keep-alives to the old leader until the call's deadline)."""
-    net = make_network(3, etcd_members=3)
-    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=SLOW_RDZV, steps=300).start()
+@pytest.mark.parametrize("how", ["cut", "kill", "move"])
+def test_etcd_leader_change_mid_run_changes_nothing(make_network, tmp_path, how):
+    """Case 3a: a 3-member etcd cluster at etcd's default timing (heartbeat 100 ms, election 1 s) changes its leader
+    (the member the controller talks to) while a job trains under elastic-run's default lease (3 s: a node fences
+    itself after 2.25 s without a confirmation). The leader is cut off silently for good, killed, or hands over
+    with `etcdctl move-leader`. A new leader must be elected, and then nothing else may happen: no fence, no new
+    round, the same workers. A silent cut is the hard case: followers hold the refreshes they forward to the dead
+    leader until the caller's deadline, so the agents' refreshes must not wait for each other."""
+    net = make_network(3, etcd_members=3, heartbeat_ms=100, election_ms=1000)
+    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=DEFAULT_LEASE_RDZV, steps=300).start()
     job.wait_for(
         lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3,
         60,
         "every node training in round 0",
     )
     leader, connections = _steer_leader(job, net)
-    time.sleep(1.0)
+    term = net.etcd_status()[leader]["term"]
     pids = {i: job.worker_pids(i, round_=0) for i in range(3)}
-    cut_at = time.time()
-    net.cut_member(leader)
     others = [j for j in range(3) if j != leader]
-    while net.etcd_leader(others) in (None, leader) and time.time() - cut_at < 10:
-        time.sleep(0.1)
-    elected_s = time.time() - cut_at
+    fault_at = time.time()
+    if how == "cut":
+        net.cut_member(leader)
+    elif how == "kill":
+        net.kill_member(leader)
+    else:
+        net.move_leader(others[0])
+    elected, elected_s = _wait_for_new_leader(net, others, leader, term)
     report(
-        "etcd-leader-cut",
-        f"cut m{leader} (leader; agents' connections {connections}, controller "
-        f"node{job.controller_node()}); new leader m{net.etcd_leader(others)} "
-        f"within {elected_s:.1f}s",
+        f"etcd-leader-{how}",
+        f"{how} m{leader} (leader; agents' connections {connections}, controller node{job.controller_node()}); "
+        f"m{elected} leads within {elected_s:.1f}s",
     )
     rcs = job.wait_exit(timeout=60)
-    _assert_undisturbed(job, "etcd-leader-cut", pids, cut_at, rcs)
+    _assert_undisturbed(job, f"etcd-leader-{how}", pids, fault_at, rcs)
 
 
 @pytest.mark.timeout(300)
 def test_etcd_quorum_lost_briefly_changes_nothing(make_network, tmp_path):
     """Case 3b: two of three etcd members (one of them the controller's) cut for 2 s, well under the 6 s lease:
-    etcd has no quorum meanwhile; once it is back, the workers still run and the membership is unchanged."""
+    the third member loses its leader (no quorum: no write and no lease expiry can happen); once the two are back,
+    the workers still run and the membership is unchanged."""
     net = make_network(3, etcd_members=3)
     job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=SLOW_RDZV, steps=300).start()
     job.wait_for(
@@ -435,21 +455,27 @@ def test_etcd_quorum_lost_briefly_changes_nothing(make_network, tmp_path):
     )
     leader, connections = _steer_leader(job, net)
     second = next(j for j in range(3) if j != leader)
-    time.sleep(1.0)
+    third = next(j for j in range(3) if j not in (leader, second))
     pids = {i: job.worker_pids(i, round_=0) for i in range(3)}
     cut_at = time.time()
     net.cut_member(leader)
     net.cut_member(second)
-    time.sleep(2.0)
+    while net.etcd_status([third]).get(third, {}).get("leader") != 0:
+        assert time.time() - cut_at < 2.0, f"m{third} still follows a leader without a quorum: {net.etcd_status()}"
+        time.sleep(0.05)
+    leaderless_s = time.time() - cut_at
+    time.sleep(max(0.0, 2.0 - leaderless_s))
     heal_at = time.time()
     net.heal_member(leader)
     net.heal_member(second)
-    while net.etcd_leader() is None and time.time() - heal_at < 10:
+    while net.etcd_leader() is None:
+        assert time.time() - heal_at < 10, f"etcd elected no leader within 10s of the heal: {net.etcd_status()}"
         time.sleep(0.1)
     report(
         "etcd-quorum-lost",
         f"cut m{leader} (leader) and m{second} for {heal_at - cut_at:.1f}s (agents' connections "
-        f"{connections}); a leader again {time.time() - heal_at:.1f}s after the heal",
+        f"{connections}); m{third} without a leader {leaderless_s:.1f}s after the cut, a leader again "
+        f"{time.time() - heal_at:.1f}s after the heal",
     )
     rcs = job.wait_exit(timeout=60)
     _assert_undisturbed(job, "etcd-quorum-lost", pids, cut_at, rcs)
