@@ -415,6 +415,18 @@ def test_the_root_cause_of_three_consecutive_failures_sits_out_the_next_rounds()
     assert decision.strikes == {}, "b took part without causing the failure: its strike is cleared"
 
 
+def test_quarantine_ends_are_unix_times_in_every_round():
+    """The rules' clock is monotonic, quarantines are unix times (a later controller reads them): the offset between
+    the two must outlive the clock's reset at each new round."""
+    unix_minus_monotonic = 1.7e9
+    failed = {"a": failure("a", number=3, at=5.0), "c": failure("c", number=3, at=2.0)}
+    job = strikes(view("a", "b", "c", round_of=("a", "b", "c"), number=3, failed=failed, done={"b"}), {"c": 2})
+    clock = Clock(leading_since=T0, wall_offset=unix_minus_monotonic)
+    decision, clock = settle(job, T0 + 7, clock, dataclasses.replace(SETTINGS, max_restarts=9))
+    assert clock.wall_offset == unix_minus_monotonic
+    assert decision.quarantined == {"c": unix_minus_monotonic + T0 + 7 + 300}
+
+
 def test_a_first_or_second_strike_only_counts():
     failed = {"a": failure("a", at=5.0), "c": failure("c", at=2.0)}
     job = strikes(view("a", "b", "c", round_of=("a", "b", "c"), failed=failed, done={"b"}), {"c": 1})

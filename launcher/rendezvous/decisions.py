@@ -305,6 +305,7 @@ def track(view: JobView, clock: Clock, now: float, settings: Settings, applied: 
             round_seen_at=now if number is not None else None,
             quorum_since=clock.quorum_since,
             short_since=clock.short_since,
+            wall_offset=clock.wall_offset,
         )
     eligible = _eligible(view, now + clock.wall_offset)
     members = _members(view)
