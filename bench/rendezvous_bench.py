@@ -180,7 +180,6 @@ def host_main(index: int, spec: dict, conn, events) -> None:
     signal.signal(signal.SIGUSR1, dump_stacks)
     from launcher.config import LaunchConfig, RendezvousSettings
     from launcher.etcd import client as etcd_client
-    from launcher.node import agent as agent_module
     from launcher.node.agent import Agent
     from launcher.rendezvous.records import NodeRecord
     from launcher.workers.group import WorkerOutcome
@@ -206,15 +205,14 @@ def host_main(index: int, spec: dict, conn, events) -> None:
         def stop(self, signum: int = signal.SIGTERM) -> None:
             pass
 
-    # The agent builds launcher.node.agent's WorkerGroup for every round it takes part in; every agent of this host
-    # process is a BenchAgent, so the no-op group stands in for it process-wide.
-    agent_module.WorkerGroup = NoopWorkerGroup  # type: ignore[misc, assignment]  # a stand-in, not a subclass
+        def reporting_hang(self) -> bool:
+            return False
 
     class BenchAgent(Agent):
         """The real agent, plus timestamps at registration, round entry and acknowledgement, and a way to die."""
 
-        def __init__(self, config, client) -> None:
-            super().__init__(config, client)
+        def __init__(self, config, client, refresh_lease) -> None:
+            super().__init__(config, client, worker_group=NoopWorkerGroup, refresh_lease=refresh_lease)
             self.killed = False
             self.registrations = 0
             register, acknowledge = self.store.register, self.store.acknowledge
@@ -237,20 +235,20 @@ def host_main(index: int, spec: dict, conn, events) -> None:
             self.store.register = timed_register  # type: ignore[method-assign]  # same signature, wrapped
             self.store.acknowledge = timed_acknowledge  # type: ignore[method-assign]  # same signature, wrapped
 
-        def _enter_round(self, record, revision) -> None:
-            super()._enter_round(record, revision)
+        def enter_round(self, header, revision) -> None:
+            super().enter_round(header, revision)
             assert self.run_ is not None  # set by the round just entered
             if self.run_.member is not None:
-                host.note("entered", record.round, time.time())
+                host.note("entered", header.round, time.time())
 
-        def _step(self, view) -> None:
+        def step(self, view) -> None:
             if self.killed:
                 raise AgentKilled(self.node_id)
-            super()._step(view)
+            super().step(view)
 
-        def _sync_log(self) -> None:
+        def sync_log(self) -> None:
             if not self.killed:  # a dead agent does not mirror the membership log
-                super()._sync_log()
+                super().sync_log()
 
         def die(self) -> float:
             """Stop refreshing the lease and end the loop without leaving; returns the time of death."""
@@ -262,11 +260,11 @@ def host_main(index: int, spec: dict, conn, events) -> None:
 
     client = etcd_client.connect(spec["endpoint"])
     shared = None
+    refresh_lease = etcd_client.refresh_lease
     if spec["keepalive"] == "shared":
         # every agent of this host process is simulated, so the shared stream stands in for its refreshes
-        # process-wide (launcher.etcd.lease_keeper looks the function up at each refresh)
         shared = SharedKeepAlive(client)
-        etcd_client.refresh_lease = shared.refresh
+        refresh_lease = shared.refresh
     # --nnodes 1:N with a last call of an hour: round 0 forms the moment the N-th agent registers (MAX reached),
     # and a loss re-forms at once with N-1 (MIN is met); --nnodes N:N could never re-form after a loss.
     rdzv = RendezvousSettings(
@@ -293,7 +291,7 @@ def host_main(index: int, spec: dict, conn, events) -> None:
             entrypoint="noop-worker",
             warm_workers=False,  # no-op workers: a warm interpreter per simulated agent would import torch N times
         )
-        agents[node] = BenchAgent(config, client)
+        agents[node] = BenchAgent(config, client, refresh_lease)
 
     def run_agent(agent: BenchAgent) -> None:
         try:
@@ -719,7 +717,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             # costs a stream and a thread, and at 1024 agents on 2 cores the keepers starve (see SharedKeepAlive)
             hosts.anomalies.append(
                 f"only {shared_refreshes} of {int(idle.keepalives)} idle lease refreshes went over the shared "
-                "keep-alive stream: the agents' LeaseKeeper no longer refreshes through etcd_client.refresh_lease"
+                "keep-alive stream: the agents' LeaseKeeper no longer refreshes through the function the Agent is given"
             )
             logger.warning("  %s", hosts.anomalies[-1])
         result.update(

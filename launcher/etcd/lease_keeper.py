@@ -118,7 +118,8 @@ class LeaseKeeper:
             previous = self._times.confirmed
             confirmed = max(previous, sent) if responses and responses[0].TTL > 0 else previous
             self._times = RefreshTimes(self._times.sent, confirmed, self._times.in_flight - 1)
-            gone = bool(responses) and responses[0].TTL <= 0 and not self.lost and not self._stop.is_set()
+            gone = responses is not None and len(responses) > 0 and responses[0].TTL <= 0
+            gone = gone and not self.lost and not self._stop.is_set()
             self.lost = self.lost or gone
         if confirmed - previous >= OVERDUE_AFTER_INTERVALS * self.interval:
             logger.info("etcd confirmed lease %x again, %.1fs after the last time", self.lease.id, confirmed - previous)

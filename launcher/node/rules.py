@@ -1,0 +1,288 @@
+"""The agent's rules: what one node's agent does next, as pure functions of its view of the job, its round and time.
+
+`launcher.node.agent` applies them, as the controller applies `launcher.rendezvous.decisions`. Nothing here reads
+etcd, touches a process, sleeps or looks at a clock.
+
+Lifecycle (`lifecycle`), checked first, in this order:
+  1. a signal arrived                                        -> Leave (drain if asked, leave the membership)
+  2. etcd unanswered for the lease TTL plus join_timeout      -> GiveUp (exit 1: nothing can go on without etcd)
+  3. etcd says our lease is gone                              -> Rejoin as a new incarnation
+  4. workers run while etcd has not confirmed our lease for
+     most of its TTL (or a fence is still pending)           -> Fence: kill them, end the lease, rejoin
+  5. the job finished or failed                              -> EndWithJob
+
+Within a round (`next_action`), one action at a time, each kind at most once per step, in this order:
+  EnterRound (a newer round names us or not) -> StartWorkers (we are a member and the master is known, or we are
+  group rank 0 and publish it) -> PollWorkers -> RefillWarmPool -> Acknowledge (the controller learns our workers
+  started) -> Report (success or failure) -> CheckController (after our failure: is its agent alive?) ->
+  FollowDrain -> FollowStall -> AnswerRollCall (not while our watchdog reports a hang: its report comes first).
+
+Phases of a round on this node:
+  SPARE    the round formed without this incarnation; wait for the next one
+  STARTING a member; its workers start once the round's master address is known
+  RUNNING  the workers run
+  FINISHED the workers exited; the outcome is reported (retried until etcd takes it)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from launcher.rendezvous.records import (
+    DrainRequest,
+    JobStatus,
+    MasterRecord,
+    Member,
+    NodeFailure,
+    RollCall,
+    RoundHeader,
+)
+
+# Standby controllers wait a random part of this (per member of the round, capped) before claiming a free
+# controller key, so that thousands of agents do not all write at once when the controller dies.
+CLAIM_SPREAD_PER_MEMBER_S = 0.001
+CLAIM_SPREAD_MAX_S = 1.0
+WARM_REFILL_AFTER_S = 5.0
+
+
+class Phase(enum.Enum):
+    SPARE = "spare"
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class WorkersSucceeded:
+    """Every worker of this node exited 0."""
+
+
+Outcome = WorkersSucceeded | NodeFailure
+
+
+@dataclass
+class RoundRun:
+    """Everything of one round on this node; a new round replaces it whole."""
+
+    header: RoundHeader
+    revision: int  # mod revision of the round record: the guard of every report about it
+    member: Member | None  # None: a spare in this round
+    phase: Phase
+    acknowledged: bool = False  # the controller knows our workers started
+    outcome: Outcome | None = None  # how our workers ended (set in FINISHED)
+    reported: bool = False  # the outcome is in etcd, or the round moved on and it no longer matters
+    controller_checked: bool = False  # after our failure, we probed the controller's agent
+    answered_rollcall: str | None = None  # the nonce of the last roll call answered
+    drain_asked: int = 0  # the drain our workers were asked for (0: none, or withdrawn)
+    drain_answered: int = 0  # the drain our answer is in etcd for
+    refill_warm_at: float | None = None  # when to pre-start the next round's warm workers (monotonic)
+
+    @property
+    def round(self) -> int:
+        return self.header.round
+
+
+@dataclass(frozen=True)
+class RoundFacts:
+    """What the agent's view of the job says, for one step."""
+
+    header: RoundHeader | None
+    header_revision: int
+    masters: dict[int, MasterRecord] = field(default_factory=dict)
+    controller: str | None = None
+    drains: dict[int, DrainRequest] = field(default_factory=dict)
+    rollcalls: dict[int, RollCall] = field(default_factory=dict)
+
+
+# -- lifecycle ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeaseFacts:
+    silent_for: float  # seconds since etcd last confirmed our lease
+    ttl: int
+    lost: bool  # etcd said the lease is gone
+
+
+@dataclass(frozen=True)
+class Leave:
+    signum: int
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    silent_for: float
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    why: str
+
+
+@dataclass(frozen=True)
+class Fence:
+    silent_for: float
+
+
+@dataclass(frozen=True)
+class EndWithJob:
+    status: JobStatus
+
+
+LifecycleAction = Leave | GiveUp | Rejoin | Fence | EndWithJob
+
+
+def fence_due(silent_for: float, ttl: int) -> bool:
+    """etcd has not confirmed our lease for most of its TTL: the job may form a round without us at its end."""
+    return silent_for >= ttl - min(1.0, ttl / 4)
+
+
+def lifecycle(
+    *,
+    signal: int | None,
+    lease: LeaseFacts,
+    join_timeout: float,
+    fence_pending: bool,
+    workers_running: bool,
+    status: JobStatus | None,
+) -> LifecycleAction | None:
+    if signal is not None:
+        return Leave(signum=signal)
+    if lease.silent_for >= lease.ttl + join_timeout:
+        return GiveUp(silent_for=lease.silent_for)
+    if lease.lost:
+        return Rejoin(why="etcd no longer has our lease (it expired, or the controller evicted this node)")
+    if fence_pending or (workers_running and fence_due(lease.silent_for, lease.ttl)):
+        return Fence(silent_for=lease.silent_for)
+    if status is not None:
+        return EndWithJob(status=status)
+    return None
+
+
+# -- the controller key ---------------------------------------------------------------------------------------
+
+
+def claim_spread(members: int) -> float:
+    """The most a standby waits, at random, before claiming a free controller key."""
+    return min(CLAIM_SPREAD_MAX_S, CLAIM_SPREAD_PER_MEMBER_S * members)
+
+
+# -- one round --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnterRound:
+    header: RoundHeader
+    revision: int
+
+
+@dataclass(frozen=True)
+class StartWorkers:
+    master: MasterRecord | None  # None: we are group rank 0 and publish where the store listens
+
+
+@dataclass(frozen=True)
+class PollWorkers:
+    pass
+
+
+@dataclass(frozen=True)
+class RefillWarmPool:
+    pass
+
+
+@dataclass(frozen=True)
+class Acknowledge:
+    pass
+
+
+@dataclass(frozen=True)
+class Report:
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class CheckController:
+    holder: str  # the encoded controller key's value
+
+
+@dataclass(frozen=True)
+class FollowDrain:
+    request: DrainRequest | None
+
+
+@dataclass(frozen=True)
+class FollowStall:
+    pass
+
+
+@dataclass(frozen=True)
+class AnswerRollCall:
+    nonce: str
+
+
+RoundAction = (
+    EnterRound
+    | StartWorkers
+    | PollWorkers
+    | RefillWarmPool
+    | Acknowledge
+    | Report
+    | CheckController
+    | FollowDrain
+    | FollowStall
+    | AnswerRollCall
+)
+
+
+def enters_round(facts: RoundFacts, run: RoundRun | None) -> EnterRound | None:
+    header = facts.header
+    if header is not None and (run is None or header.round != run.round):
+        return EnterRound(header=header, revision=facts.header_revision)
+    return None
+
+
+def next_action(
+    facts: RoundFacts,
+    run: RoundRun | None,
+    *,
+    now: float,
+    workers_started: bool,
+    reporting_hang: bool,
+    done: frozenset[type],
+) -> RoundAction | None:
+    """The next thing to do in this step, skipping the kinds of action in `done` (already applied this step)."""
+    entering = enters_round(facts, run)
+    if entering is not None and EnterRound not in done:
+        return entering
+    if run is None:
+        return None
+    candidates: list[RoundAction] = []
+    if run.phase is Phase.STARTING:
+        master = facts.masters.get(run.round)
+        if master is not None or (run.member is not None and run.member.group_rank == 0):
+            candidates.append(StartWorkers(master=master))
+    if run.phase is Phase.RUNNING:
+        candidates.append(PollWorkers())
+    if run.refill_warm_at is not None and now >= run.refill_warm_at:
+        candidates.append(RefillWarmPool())
+    if workers_started and not run.acknowledged:
+        candidates.append(Acknowledge())
+    if run.outcome is not None and not run.reported:
+        candidates.append(Report(outcome=run.outcome))
+    if isinstance(run.outcome, NodeFailure) and not run.controller_checked and facts.controller is not None:
+        candidates.append(CheckController(holder=facts.controller))
+    if run.member is not None:
+        candidates.append(FollowDrain(request=facts.drains.get(run.round)))
+        candidates.append(FollowStall())
+        rollcall = facts.rollcalls.get(run.round)
+        if rollcall is not None and run.answered_rollcall != rollcall.nonce and not reporting_hang:
+            candidates.append(AnswerRollCall(nonce=rollcall.nonce))
+    return next((action for action in candidates if type(action) not in done), None)
+
+
+def refill_warm_at(now: float, longest_startup: float | None) -> float:
+    """When to pre-start the next round's workers: once this round's are past their own start-up, not competing
+    with it for the CPU."""
+    return now + max(WARM_REFILL_AFTER_S, 2 * (longest_startup or 0.0))

@@ -1,0 +1,58 @@
+"""Tells the controller while all of this node's workers are stalled, so it probes the members that are not.
+
+Reports are written from a thread of their own: a node cut off from etcd stalls too, and its agent's main thread
+must go on watching its lease (to fence itself) rather than wait on a write that cannot land.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from launcher.rendezvous.protocol import JobStore
+from launcher.rendezvous.records import StallReport
+from launcher.workers.watchdog import Stall
+
+logger = logging.getLogger(__name__)
+
+
+class StallReporter:
+    """Keeps etcd's stall report of one round in line with the workers' state; one per round."""
+
+    def __init__(self, store: JobStore, node_id: str, round_: int, revision: int, writer: ThreadPoolExecutor) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.round = round_
+        self.revision = revision
+        self._writer = writer
+        self._reported = False  # our report that all our workers are stalled is in etcd
+        self._write: Future | None = None  # the write that reports or clears it, while etcd has not answered
+
+    def follow(self, stall: Stall | None) -> None:
+        """`stall`: the workers' stall now (None: they make progress, or none run)."""
+        if self._write is not None:
+            if not self._write.done():
+                return
+            failed = self._write.exception()
+            self._write = None
+            if failed is None:
+                self._reported = not self._reported
+            else:
+                logger.debug("stall report not written (tried again at the next poll): %s", failed)
+        if (stall is not None) != self._reported:
+            self._write = self._writer.submit(self._write_report, stall)
+
+    def _write_report(self, stall: Stall | None) -> None:
+        if stall is None:
+            self.store.clear_stalled(self.round, self.revision, self.node_id)
+            logger.info("round %d: the workers make progress again", self.round)
+            return
+        report = StallReport(seconds_silent=stall.seconds_silent, last_step=stall.last_step)
+        if self.store.report_stalled(self.round, self.revision, self.node_id, report):
+            logger.warning(
+                "round %d: every worker has been silent for %.1fs after step %s, as if a peer stopped; "
+                "asked the controller to probe the other members",
+                self.round,
+                stall.seconds_silent,
+                stall.last_step,
+            )

@@ -1,0 +1,253 @@
+"""launcher.node.rules: what an agent does next, as tables without etcd, processes or sleeping."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from launcher.node import rules
+from launcher.node.rules import (
+    Acknowledge,
+    AnswerRollCall,
+    CheckController,
+    EndWithJob,
+    EnterRound,
+    Fence,
+    FollowDrain,
+    FollowStall,
+    GiveUp,
+    LeaseFacts,
+    Leave,
+    Phase,
+    PollWorkers,
+    RefillWarmPool,
+    Rejoin,
+    Report,
+    RoundFacts,
+    RoundRun,
+    StartWorkers,
+    WorkersSucceeded,
+)
+from launcher.rendezvous.records import (
+    DrainRequest,
+    JobStatus,
+    MasterRecord,
+    Member,
+    NodeFailure,
+    RollCall,
+    RoundHeader,
+)
+
+FINISHED = JobStatus(state="finished", summary="done")
+HEALTHY = LeaseFacts(silent_for=0.5, ttl=3, lost=False)
+
+
+def lifecycle(
+    signal_: int | None = None,
+    lease: LeaseFacts = HEALTHY,
+    fence_pending: bool = False,
+    workers_running: bool = True,
+    status: JobStatus | None = None,
+):
+    return rules.lifecycle(
+        signal=signal_,
+        lease=lease,
+        join_timeout=60.0,
+        fence_pending=fence_pending,
+        workers_running=workers_running,
+        status=status,
+    )
+
+
+@pytest.mark.parametrize(
+    "case, kwargs, expected",
+    [
+        ("healthy, training", {}, None),
+        ("a signal comes first, even cut off", {"signal_": signal.SIGTERM, "lease": LeaseFacts(70, 3, True)}, Leave),
+        ("etcd silent past TTL + join_timeout", {"lease": LeaseFacts(63.0, 3, False)}, GiveUp),
+        ("just under TTL + join_timeout: fence, not give up", {"lease": LeaseFacts(62.9, 3, False)}, Fence),
+        ("the lease is gone", {"lease": LeaseFacts(0.2, 3, True)}, Rejoin),
+        ("silent 2.25 s of a 3 s lease with workers", {"lease": LeaseFacts(2.25, 3, False)}, Fence),
+        ("silent 2.2 s of a 3 s lease", {"lease": LeaseFacts(2.2, 3, False)}, None),
+        ("silent 5 s of a 6 s lease (margin capped at 1 s)", {"lease": LeaseFacts(5.0, 6, False)}, Fence),
+        ("silent 4.9 s of a 6 s lease", {"lease": LeaseFacts(4.9, 6, False)}, None),
+        ("silent, but no workers to fence", {"lease": LeaseFacts(2.5, 3, False), "workers_running": False}, None),
+        ("a fence still pending, etcd back", {"fence_pending": True, "workers_running": False}, Fence),
+        ("the job finished", {"status": FINISHED}, EndWithJob),
+        ("a fence comes before the job's end", {"lease": LeaseFacts(2.5, 3, False), "status": FINISHED}, Fence),
+    ],
+)
+def test_lifecycle(case, kwargs, expected):
+    action = lifecycle(**kwargs)
+    assert (type(action) if action is not None else None) is expected, case
+
+
+HEADER = RoundHeader(round=3, size=2, world_size=2, reason="initial", buckets=1, formed_at=0.0)
+MEMBER0 = Member(node="a", incarnation=1, group_rank=0, nproc=1, first_rank=0, addr="10.0.0.1")
+MEMBER1 = Member(node="b", incarnation=2, group_rank=1, nproc=1, first_rank=1, addr="10.0.0.2")
+MASTER = MasterRecord(addr="10.0.0.1", port=29500)
+FAILURE = NodeFailure(node="b", round=3, failures=[])
+ROLLCALL = RollCall(round=3, nonce="n1")
+NEWER = RoundHeader(round=4, size=1, world_size=1, reason="node_lost", buckets=1, formed_at=0.0)
+
+
+def run(phase: Phase, member: Member | None = MEMBER1, **fields) -> RoundRun:
+    return RoundRun(header=HEADER, revision=7, member=member, phase=phase, **fields)
+
+
+def facts(**fields) -> RoundFacts:
+    return RoundFacts(header=HEADER, header_revision=7, **fields)
+
+
+def actions(facts_: RoundFacts, run_: RoundRun | None, now: float = 0.0, started: bool = False, hang: bool = False):
+    """Every action of one step, in order, as the agent takes them when applying changes nothing; entering a round
+    changes everything, so the step's table ends there."""
+    done: set[type] = set()
+    taken = []
+    while (
+        action := rules.next_action(
+            facts_, run_, now=now, workers_started=started, reporting_hang=hang, done=frozenset(done)
+        )
+    ) is not None:
+        done.add(type(action))
+        taken.append(action)
+        if isinstance(action, EnterRound):
+            break
+    return taken
+
+
+@pytest.mark.parametrize(
+    "case, facts_, run_, kwargs, expected",
+    [
+        ("no round yet", RoundFacts(header=None, header_revision=0), None, {}, []),
+        ("a first round", facts(), None, {}, [EnterRound(header=HEADER, revision=7)]),
+        (
+            "a newer round",
+            RoundFacts(header=NEWER, header_revision=9),
+            run(Phase.RUNNING),
+            {"started": True},
+            [EnterRound(header=NEWER, revision=9)],
+        ),
+        ("a spare waits", facts(), run(Phase.SPARE, member=None), {}, []),
+        ("rank 1 waits for the master", facts(), run(Phase.STARTING), {}, [FollowDrain(None), FollowStall()]),
+        (
+            "rank 0 publishes the master",
+            facts(),
+            run(Phase.STARTING, member=MEMBER0),
+            {},
+            [StartWorkers(master=None), FollowDrain(None), FollowStall()],
+        ),
+        (
+            "the master is known",
+            facts(masters={3: MASTER}),
+            run(Phase.STARTING),
+            {},
+            [StartWorkers(master=MASTER), FollowDrain(None), FollowStall()],
+        ),
+        (
+            "running, not yet acknowledged",
+            facts(),
+            run(Phase.RUNNING),
+            {"started": True},
+            [PollWorkers(), Acknowledge(), FollowDrain(None), FollowStall()],
+        ),
+        (
+            "time to refill the warm pool",
+            facts(),
+            run(Phase.RUNNING, acknowledged=True, refill_warm_at=5.0),
+            {"started": True, "now": 5.0},
+            [PollWorkers(), RefillWarmPool(), FollowDrain(None), FollowStall()],
+        ),
+        (
+            "not yet time to refill",
+            facts(),
+            run(Phase.RUNNING, acknowledged=True, refill_warm_at=5.0),
+            {"started": True, "now": 4.9},
+            [PollWorkers(), FollowDrain(None), FollowStall()],
+        ),
+        (
+            "succeeded: report it",
+            facts(),
+            run(Phase.FINISHED, acknowledged=True, outcome=WorkersSucceeded()),
+            {},
+            [Report(WorkersSucceeded()), FollowDrain(None), FollowStall()],
+        ),
+        (
+            "failed: report it and check the controller",
+            facts(controller="a:1"),
+            run(Phase.FINISHED, acknowledged=True, outcome=FAILURE),
+            {},
+            [Report(FAILURE), CheckController(holder="a:1"), FollowDrain(None), FollowStall()],
+        ),
+        (
+            "failed, reported, controller checked",
+            facts(controller="a:1"),
+            run(Phase.FINISHED, acknowledged=True, outcome=FAILURE, reported=True, controller_checked=True),
+            {},
+            [FollowDrain(None), FollowStall()],
+        ),
+        (
+            "a drain for our round",
+            facts(drains={3: DrainRequest(round=3, number=2, reason="node_left")}),
+            run(Phase.RUNNING, acknowledged=True),
+            {"started": True},
+            [PollWorkers(), FollowDrain(DrainRequest(round=3, number=2, reason="node_left")), FollowStall()],
+        ),
+        (
+            "a roll call",
+            facts(rollcalls={3: ROLLCALL}),
+            run(Phase.RUNNING, acknowledged=True),
+            {"started": True},
+            [PollWorkers(), FollowDrain(None), FollowStall(), AnswerRollCall(nonce="n1")],
+        ),
+        (
+            "a roll call while our watchdog reports a hang: its report comes first",
+            facts(rollcalls={3: ROLLCALL}),
+            run(Phase.RUNNING, acknowledged=True),
+            {"started": True, "hang": True},
+            [PollWorkers(), FollowDrain(None), FollowStall()],
+        ),
+        (
+            "a roll call already answered",
+            facts(rollcalls={3: ROLLCALL}),
+            run(Phase.RUNNING, acknowledged=True, answered_rollcall="n1"),
+            {"started": True},
+            [PollWorkers(), FollowDrain(None), FollowStall()],
+        ),
+        (
+            "a spare answers no roll call and follows no drain",
+            facts(
+                rollcalls={3: ROLLCALL},
+                drains={3: DrainRequest(round=3, number=1, reason="node_left")},
+            ),
+            run(Phase.SPARE, member=None),
+            {},
+            [],
+        ),
+    ],
+)
+def test_one_step_of_a_round(case, facts_, run_, kwargs, expected):
+    assert actions(facts_, run_, **kwargs) == expected, case
+
+
+def test_entering_a_round_comes_first_and_once():
+    step = actions(facts(), run(Phase.RUNNING, acknowledged=True), started=True)
+    assert EnterRound not in {type(a) for a in step}
+    newer = RoundFacts(header=NEWER, header_revision=11)
+    assert (
+        rules.next_action(
+            newer, run(Phase.RUNNING), now=0.0, workers_started=True, reporting_hang=False, done=frozenset({EnterRound})
+        )
+        == PollWorkers()
+    )
+
+
+@pytest.mark.parametrize("members, spread", [(1, 0.001), (500, 0.5), (1000, 1.0), (8192, 1.0)])
+def test_standby_controllers_spread_their_claims_by_the_size_of_the_round(members, spread):
+    assert rules.claim_spread(members) == pytest.approx(spread)
+
+
+@pytest.mark.parametrize("longest, expected", [(None, 105.0), (1.0, 105.0), (4.0, 108.0)])
+def test_the_warm_pool_refills_once_the_round_is_past_its_start_up(longest, expected):
+    assert rules.refill_warm_at(100.0, longest) == expected
