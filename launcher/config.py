@@ -152,6 +152,25 @@ def security_from_rdzv_conf(spec: str, environ: Mapping[str, str]) -> EtcdSecuri
         raise ValueError(one_line(exc, prefix="--rdzv-conf ")) from None
 
 
+def parse_endpoints(spec: str) -> list[tuple[str, int]]:
+    """`host:port[,host:port...]` -> [(host, port)]; the port defaults to etcd's 2379."""
+    endpoints = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        item = item.removeprefix("http://")
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, "2379"
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"bad etcd endpoint {item!r}: expected host:port, e.g. 127.0.0.1:2379")
+        endpoints.append((host.strip("[]"), int(port)))
+    if not endpoints:
+        raise ValueError("empty etcd endpoint: pass --rdzv-endpoint host:port or use --standalone")
+    return endpoints
+
+
 def parse_nnodes(spec: str) -> tuple[int, int]:
     """`N` or `MIN:MAX` -> (min, max)."""
     parts = spec.split(":")
@@ -273,8 +292,6 @@ class LaunchConfig(BaseModel):
     @classmethod
     def _endpoint_parses(cls, value: str) -> str:
         if value:
-            from launcher.etcd.client import parse_endpoints
-
             parse_endpoints(value)
         return value
 

@@ -1,38 +1,30 @@
-"""The one place that imports the etcd v3 client, connects it, and retries calls against it."""
+"""The one place that imports the etcd v3 client, connects it, retries calls against it, and turns its errors
+into the launcher's own (`launcher.etcd.errors`): EtcdUnavailable and LeaseGone; other refusals (no rights, a bad
+request) stay gRPC errors, which `explain` words."""
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
-import tenacity
+import pyetcd
+from pyetcd import etcdrpc
+from pyetcd import events as etcd_events
+from pyetcd import exceptions as etcd_exceptions
 
-from launcher.config import PASSWORD_ENV, EtcdSecurity
-
-try:  # etcd-sdk-python: the maintained, API-identical fork of python-etcd3
-    import pyetcd as etcd3
-    from pyetcd import etcdrpc
-    from pyetcd import events as etcd_events
-    from pyetcd import exceptions as etcd_exceptions
-    from pyetcd import watch as etcd_watch
-    from pyetcd.client import _EXCEPTIONS_BY_CODE, _FAILED_EP_CODES, EtcdTokenCallCredentials
-except ImportError:  # pragma: no cover - exercised only where python-etcd3 is what is installed
-    import etcd3  # type: ignore[no-redef]
-    from etcd3 import etcdrpc  # type: ignore[no-redef]
-    from etcd3 import events as etcd_events  # type: ignore[no-redef]
-    from etcd3 import exceptions as etcd_exceptions  # type: ignore[no-redef]
-    from etcd3 import watch as etcd_watch  # type: ignore[no-redef]
-    from etcd3.client import _EXCEPTIONS_BY_CODE, _FAILED_EP_CODES, EtcdTokenCallCredentials  # type: ignore[no-redef]
+from launcher.config import PASSWORD_ENV, EtcdSecurity, parse_endpoints
+from launcher.etcd import errors
+from launcher.etcd.errors import EtcdUnavailable, EtcdUnreachable, LeaseGone
+from launcher.etcd.pyetcd_internals import HookedClient, HookedWatcher
 
 logger = logging.getLogger(__name__)
 
-EtcdClient: TypeAlias = Any  # etcd3.MultiEndpointEtcd3Client: the client library has no type information
+EtcdClient: TypeAlias = Any  # pyetcd.MultiEndpointEtcd3Client: the client library has no type information
 RevisionCompacted = etcd_exceptions.RevisionCompactedError
 PutEvent = etcd_events.PutEvent
 DeleteEvent = etcd_events.DeleteEvent
@@ -51,31 +43,38 @@ _GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# gRPC codes that mean "no answer this time": the server is down, restarting, electing a leader or overloaded.
+_UNAVAILABLE_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,  # etcd's "leader changed" and "connection reset" arrive as UNKNOWN
+}
+# The codes after which the next call goes to another endpoint: those of a member that failed, not of a refusal.
+_ENDPOINT_FAILED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
 T = TypeVar("T")
 
 
-class EtcdUnreachable(RuntimeError):
-    """No endpoint of the configured etcd answered."""
+def translate(exc: grpc.RpcError) -> Exception:
+    """The launcher's error for `exc`: EtcdUnavailable, LeaseGone (etcd's only NOT_FOUND is a lease it no longer
+    has), or `exc` itself, a refusal."""
+    code = exc.code() if hasattr(exc, "code") else None
+    if code is None or code in _UNAVAILABLE_CODES:
+        return EtcdUnavailable(f"{code.name if code else 'no status'}: {_detail(exc)}")
+    if code is grpc.StatusCode.NOT_FOUND:
+        return LeaseGone(_detail(exc))
+    return exc
 
 
-def parse_endpoints(spec: str) -> list[tuple[str, int]]:
-    """`host:port[,host:port...]` -> [(host, port)]; the port defaults to etcd's 2379."""
-    endpoints = []
-    for item in spec.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        item = item.removeprefix("http://")
-        host, sep, port = item.rpartition(":")
-        if not sep:
-            host, port = item, "2379"
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"bad etcd endpoint {item!r}: expected host:port, e.g. 127.0.0.1:2379")
-        endpoints.append((host.strip("[]"), int(port)))
-    if not endpoints:
-        raise ValueError("empty etcd endpoint: pass --rdzv-endpoint host:port or use --standalone")
-    return endpoints
+def _raise_translated(exc: grpc.RpcError) -> NoReturn:
+    translated = translate(exc)
+    if translated is exc:
+        raise exc
+    raise translated from exc
 
 
 class _RecordingWatchStub:
@@ -90,7 +89,7 @@ class _RecordingWatchStub:
         return call
 
 
-class _CancellingWatcher(etcd_watch.Watcher):
+class _CancellingWatcher(HookedWatcher):
     """pyetcd's Watcher.close, which the client calls when it fails over, only half-closes the stream (and blocks
     on a dead stream's full request queue): the watches on it stay on the old endpoint and their callbacks never
     hear of it. Cancelling the call ends them with CANCELLED, so RangeMirror resumes them where the client is now."""
@@ -103,21 +102,17 @@ class _CancellingWatcher(etcd_watch.Watcher):
     def close(self) -> None:
         if self.call is not None:
             self.call.cancel()
-        with self._lock:
-            if self._callback_thread and not self._stopping:
-                try:
-                    self._request_queue.put_nowait(None)
-                except queue.Full:
-                    pass
+        self.end_requests()
 
 
-class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
+class _FailoverClient(HookedClient):
     """Fails over as soon as a call fails, to the endpoint that failed least recently: a silently dead member is
     not tried again while another one has not failed, and no call is refused for want of an unfailed endpoint.
-    Logged in, it logs in again when etcd no longer knows its token (expired while only keep-alives flowed)."""
+    Logged in, it logs in again when etcd no longer knows its token (expired while only keep-alives flowed).
+    Its calls raise the launcher's errors (`translate`)."""
 
     def __init__(self, *, user: str | None = None, password: str | None = None, **kwargs) -> None:
-        self._login = (user, password) if user is not None else None
+        self._login = (user, password) if user is not None and password is not None else None
         super().__init__(user=user, password=password, **kwargs)
         self._drop_call_credentials_without_tls()
 
@@ -125,15 +120,6 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
         # gRPC sends call credentials only over TLS; the token travels in each call's metadata either way
         if not any(endpoint.secure for endpoint in self.endpoints.values()):
             self.call_credentials = None
-
-    def _log_in_again(self) -> None:
-        assert self._login is not None, "only a client that logged in logs in again"
-        user, password = self._login
-        answer = self.authstub.Authenticate(etcdrpc.AuthenticateRequest(name=user, password=password), self.timeout)
-        self.metadata = (("token", answer.token),)
-        self.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(answer.token))
-        self._drop_call_credentials_without_tls()
-        self._clear_old_stubs()  # the watcher holds the old token: its watches resume with the new one
 
     def get_watcher(self):
         return _CancellingWatcher(
@@ -145,39 +131,34 @@ class _FailoverClient(etcd3.MultiEndpointEtcd3Client):
 
     @property
     def channel(self):
-        return self.endpoint_in_use.channel  # _manage_grpc_errors moves on; nothing to decide here
+        return self.endpoint_in_use.channel  # on_grpc_error moves on; nothing to decide here
 
-    def _manage_grpc_errors(self, exc):
+    def on_grpc_error(self, exc: grpc.RpcError) -> NoReturn:
         code = exc.code()
         if code is grpc.StatusCode.UNAUTHENTICATED and self._login is not None and "token" in (exc.details() or ""):
             logger.info("etcd no longer knows our login token (%s); logging in again", exc.details())
-            self._log_in_again()
-            raise etcd_exceptions.ConnectionFailedError() from exc  # transient: call_with_retry repeats the call
-        if code in _FAILED_EP_CODES and len(self.endpoints) > 1:
-            failed = self._current_endpoint_label
+            try:
+                self.log_in(*self._login)  # the watcher holds the old token: its watches resume with the new one
+            except grpc.RpcError as login_error:
+                _raise_translated(login_error)
+            self._drop_call_credentials_without_tls()
+            raise EtcdUnavailable("etcd forgot our login token; logged in again") from exc  # the retry repeats it
+        if code in _ENDPOINT_FAILED_CODES and len(self.endpoints) > 1:
+            failed = self.endpoint_label
             self.endpoints[failed].last_failed = time.monotonic()
             others = [label for label in self.endpoints if label != failed]
-            self._current_endpoint_label = min(others, key=lambda label: self.endpoints[label].last_failed)
-            self._clear_old_stubs()  # cancels the old watcher: its watches resume on the new endpoint
-            logger.info("etcd endpoint %s failed (%s); using %s", failed, code.name, self._current_endpoint_label)
-        exception = _EXCEPTIONS_BY_CODE.get(code)
-        if exception is None:
-            raise exc
-        raise exception() from exc
+            self.use_endpoint(min(others, key=lambda label: self.endpoints[label].last_failed))
+            logger.info("etcd endpoint %s failed (%s); using %s", failed, code.name, self.endpoint_label)
+        _raise_translated(exc)
 
 
-def refresh_lease(lease, timeout: float):
+def refresh_lease(lease, timeout: float) -> list[Any]:
     """One keep-alive of `lease` under its own deadline (the client's, for every call, outlasts a fence's budget)."""
-    client = lease.etcd_client
-    request = etcdrpc.LeaseKeepAliveRequest(ID=lease.id)
+    client: _FailoverClient = lease.etcd_client
     try:
-        return list(
-            client.leasestub.LeaseKeepAlive(
-                iter([request]), timeout, credentials=client.call_credentials, metadata=client.metadata
-            )
-        )
+        return client.keep_alive_once(lease.id, timeout)
     except grpc.RpcError as exc:
-        client._manage_grpc_errors(exc)
+        client.on_grpc_error(exc)
 
 
 def connect(spec: str, timeout: float = 3.0, security: EtcdSecurity | None = None) -> EtcdClient:
@@ -186,7 +167,7 @@ def connect(spec: str, timeout: float = 3.0, security: EtcdSecurity | None = Non
     security = security or EtcdSecurity()
     credentials = _tls_credentials(security) if security.tls else None
     endpoints = [
-        etcd3.Endpoint(host, port, secure=security.tls, creds=credentials, opts=_GRPC_OPTIONS)
+        pyetcd.Endpoint(host, port, secure=security.tls, creds=credentials, opts=_GRPC_OPTIONS)
         for host, port in parse_endpoints(spec)
     ]
     password = security.password.get_secret_value() if security.password is not None else None
@@ -264,20 +245,6 @@ def _detail(exc: BaseException) -> str:
     return str(exc)
 
 
-# gRPC codes that mean "no answer this time": the server is down, restarting, electing a leader or overloaded.
-_TRANSIENT_CODES = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,  # etcd's "leader changed" and "connection reset" arrive as UNKNOWN
-}
-# The client raises a bare ValueError with this text while it lets a failed endpoint cool down.
-_FAILED_ENDPOINT_TEXT = "Trying to use a failed node"
-
-
 def connect_reachable(spec: str, security: EtcdSecurity | None = None) -> EtcdClient:
     """A client for `spec` once an etcd answered there; raises ValueError (bad spec) or EtcdUnreachable."""
     try:
@@ -293,40 +260,20 @@ def connect_reachable(spec: str, security: EtcdSecurity | None = None) -> EtcdCl
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Errors that mean 'etcd did not answer this time', as opposed to a refused operation or a bad value.
-
-    A pydantic ValidationError or a JSONDecodeError is a ValueError too: it is never transient.
-    """
+    """Errors that mean 'etcd did not answer this time', as opposed to a refused operation or a bad value."""
     if isinstance(exc, grpc.RpcError):
-        return exc.code() in _TRANSIENT_CODES if hasattr(exc, "code") else True
-    if isinstance(exc, ValueError):
-        return type(exc) is ValueError and _FAILED_ENDPOINT_TEXT in str(exc)
-    return isinstance(
-        exc,
-        (
-            etcd_exceptions.ConnectionFailedError,
-            etcd_exceptions.ConnectionTimeoutError,
-            etcd_exceptions.NoServerAvailableError,
-            etcd_exceptions.InternalServerError,
-            etcd_exceptions.WatchTimedOut,
-        ),
-    )
+        return isinstance(translate(exc), EtcdUnavailable)
+    # pyetcd raises WatchTimedOut itself when etcd does not confirm a new watch in time
+    return isinstance(exc, (EtcdUnavailable, etcd_exceptions.WatchTimedOut))
 
 
 def is_lease_gone(exc: BaseException) -> bool:
-    """etcd's answer to a write or revoke under a lease that has expired or was revoked."""
-    return isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() == grpc.StatusCode.NOT_FOUND
+    """etcd's answer to a call under a lease that has expired or was revoked."""
+    if isinstance(exc, grpc.RpcError):
+        exc = translate(exc)
+    return isinstance(exc, LeaseGone)
 
 
 def call_with_retry(fn: Callable[..., T], *args, deadline_s: float = 30.0, **kwargs) -> T:
     """Call `fn` until it succeeds, retrying transient etcd errors with backoff for up to `deadline_s`."""
-    retrying = tenacity.Retrying(
-        retry=tenacity.retry_if_exception(is_transient),
-        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
-        stop=tenacity.stop_after_delay(deadline_s),
-        reraise=True,
-        before_sleep=lambda state: logger.debug(
-            "etcd call %s failed, retrying: %s", fn, state.outcome.exception() if state.outcome else None
-        ),
-    )
-    return retrying(fn, *args, **kwargs)
+    return errors.call_with_retry(fn, *args, deadline_s=deadline_s, retry_if=is_transient, **kwargs)

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 
 from launcher.etcd import client as etcd_client
+from launcher.etcd.entry import Entry
 
 logger = logging.getLogger(__name__)
 
 _RESUME_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
-
-
-@dataclass(frozen=True)
-class Entry:
-    value: bytes
-    mod_revision: int
 
 
 class RangeMirror:

@@ -1,0 +1,56 @@
+"""The etcd errors the launcher's own code sees, and the one retry policy for them.
+
+`launcher.etcd.client` turns what gRPC and pyetcd raise into these, so no `grpc.RpcError` reaches the protocol or
+the agent. This module imports neither gRPC nor pyetcd: the rendezvous protocol, which the pure rules import for
+its keys, names these errors without pulling in an etcd client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import tenacity
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EtcdUnavailable(Exception):
+    """etcd gave no answer this time (down, restarting, electing a leader, overloaded, or the network): the same
+    call may succeed a moment later."""
+
+
+class LeaseGone(Exception):
+    """etcd no longer has the lease a call named: it expired, or somebody revoked it."""
+
+
+class EtcdUnreachable(RuntimeError):
+    """No endpoint of the configured etcd answered."""
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, EtcdUnavailable)
+
+
+def call_with_retry(
+    fn: Callable[..., T],
+    *args: Any,
+    deadline_s: float,
+    retry_if: Callable[[BaseException], bool] = is_unavailable,
+    **kwargs: Any,
+) -> T:
+    """Call `fn` until it succeeds, retrying errors `retry_if` accepts with backoff for up to `deadline_s`; then
+    raise the last one."""
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(retry_if),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
+        stop=tenacity.stop_after_delay(deadline_s),
+        reraise=True,
+        before_sleep=lambda state: logger.debug(
+            "etcd call %s failed, retrying: %s", fn, state.outcome.exception() if state.outcome else None
+        ),
+    )
+    return retrying(fn, *args, **kwargs)

@@ -1,0 +1,86 @@
+"""The only module that touches private parts of etcd-sdk-python (pyetcd), each under a name of ours.
+
+pyetcd documents its client's calls, not how it routes a call's gRPC error, picks an endpoint, attaches a login
+token or runs the watch stream; `launcher.etcd.client` needs each of those to fail over at once, log in again
+and end the watches of a dead stream. Private parts change without notice between releases:
+`tests/test_pyetcd_internals.py` fails when the installed pyetcd lacks one or it no longer has the shape used
+here, so an upgrade is noticed in CI, not in a job that cannot fail over.
+
+- `MultiEndpointEtcd3Client._manage_grpc_errors(exc)`: every unary call hands its `grpc.RpcError` to it (pyetcd's
+  `_handle_errors` decorator) and raises what it raises: the one place to turn errors into ours.
+- `MultiEndpointEtcd3Client._current_endpoint_label` (a settable property) and `_clear_old_stubs()`: the endpoint
+  in use; dropping the stubs cached for it closes its watcher.
+- `authstub` and `leasestub`: the stubs cached for the endpoint in use; `metadata` and `call_credentials`: what
+  every call sends, a login token among them; `pyetcd.client.EtcdTokenCallCredentials` wraps a token.
+- `Watcher._lock`, `_callback_thread`, `_stopping` and `_request_queue`: what `Watcher.close` touches; and the
+  watcher opens its stream with `watchstub.Watch(requests, credentials=..., metadata=...)`.
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any, NoReturn
+
+import grpc
+import pyetcd
+from pyetcd import etcdrpc
+from pyetcd import watch as pyetcd_watch
+from pyetcd.client import EtcdTokenCallCredentials
+
+CHECKED_WITH_PYETCD = "etcd-sdk-python 0.0.7"  # the release whose private parts these were written against
+
+
+class HookedClient(pyetcd.MultiEndpointEtcd3Client):
+    """pyetcd's multi-endpoint client with the private parts our client uses, under names of ours."""
+
+    def _manage_grpc_errors(self, exc: grpc.RpcError) -> NoReturn:
+        self.on_grpc_error(exc)
+
+    def on_grpc_error(self, exc: grpc.RpcError) -> NoReturn:
+        """A unary call failed with `exc`; what this raises, the call raises."""
+        raise exc
+
+    @property
+    def endpoint_label(self) -> str:
+        """The `host:port` of the endpoint every call goes to."""
+        return self._current_endpoint_label
+
+    def use_endpoint(self, label: str) -> None:
+        """Send calls to endpoint `label` from now on; its watcher goes with the old endpoint's stubs."""
+        self._current_endpoint_label = label
+        self.drop_stubs()
+
+    def drop_stubs(self) -> None:
+        """Forget the stubs made for the endpoint and token in use, and close the watcher: the next call makes new
+        ones, and the watches on the old stream end with an error that tells their callbacks."""
+        self._clear_old_stubs()
+
+    def log_in(self, user: str, password: str) -> None:
+        """Authenticate again and send the new token with every call from now on (with the stubs, which hold it)."""
+        answer = self.authstub.Authenticate(etcdrpc.AuthenticateRequest(name=user, password=password), self.timeout)
+        self.metadata = (("token", answer.token),)
+        self.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(answer.token))
+        self.drop_stubs()
+
+    def keep_alive_once(self, lease_id: int, timeout: float) -> list[Any]:
+        """One keep-alive of lease `lease_id` under its own deadline; etcd's answers (raises grpc.RpcError)."""
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+        return list(
+            self.leasestub.LeaseKeepAlive(
+                iter([request]), timeout, credentials=self.call_credentials, metadata=self.metadata
+            )
+        )
+
+
+class HookedWatcher(pyetcd_watch.Watcher):
+    """pyetcd's watcher with the private parts our watcher uses, under names of ours."""
+
+    def end_requests(self) -> None:
+        """What `Watcher.close` does, without blocking on a dead stream's full request queue: tell the stream's
+        request iterator to end."""
+        with self._lock:
+            if self._callback_thread and not self._stopping:
+                try:
+                    self._request_queue.put_nowait(None)
+                except queue.Full:
+                    pass

@@ -1,0 +1,140 @@
+"""The private parts of pyetcd behind launcher.etcd.pyetcd_internals: each exists and has the shape relied on. A
+pyetcd upgrade that changes one fails here, loudly, rather than as a client that no longer fails over. And what
+our client, built on them, raises: the launcher's own errors."""
+
+from __future__ import annotations
+
+import inspect
+import queue
+import threading
+
+import grpc
+import pyetcd
+import pytest
+from pyetcd import watch as pyetcd_watch
+from pyetcd.client import EtcdTokenCallCredentials
+from pyetcd.exceptions import WatchTimedOut
+
+from launcher.etcd import client as etcd_client
+from launcher.etcd import pyetcd_internals
+from launcher.etcd.errors import EtcdUnavailable, LeaseGone
+from launcher.etcd.pyetcd_internals import HookedClient, HookedWatcher
+
+pytestmark = pytest.mark.timeout(60)
+
+UPDATE = f"update launcher/etcd/pyetcd_internals.py (written against {pyetcd_internals.CHECKED_WITH_PYETCD})"
+
+
+class RecordingClient(HookedClient):
+    def __init__(self) -> None:
+        # nothing listens on port 1: a call fails at once with UNAVAILABLE, and no etcd is needed
+        nobody = [pyetcd.Endpoint(host, 1, secure=False) for host in ("127.0.0.1", "127.0.0.2")]
+        super().__init__(endpoints=nobody, timeout=1.0, failover=True)
+        self.errors: list[grpc.RpcError] = []
+
+    def on_grpc_error(self, exc):
+        self.errors.append(exc)
+        raise RuntimeError("seen") from exc
+
+
+def test_the_client_has_every_private_part_we_use():
+    client_class = pyetcd.MultiEndpointEtcd3Client
+    for method in ("_manage_grpc_errors", "_clear_old_stubs"):
+        assert callable(getattr(client_class, method, None)), f"pyetcd's client lost {method}: {UPDATE}"
+    for name in ("_current_endpoint_label", "authstub", "leasestub"):
+        assert isinstance(getattr(client_class, name, None), property), f"pyetcd's client lost {name}: {UPDATE}"
+    assert client_class._current_endpoint_label.fset is not None, f"the endpoint in use can no longer be set: {UPDATE}"
+    assert issubclass(EtcdTokenCallCredentials, grpc.AuthMetadataPlugin), UPDATE
+    client = RecordingClient()
+    for attribute in ("metadata", "call_credentials", "timeout", "endpoints"):
+        assert hasattr(client, attribute), f"pyetcd's client no longer keeps {attribute}: {UPDATE}"
+    client.close()
+
+
+def test_every_unary_call_hands_its_grpc_error_to_the_hook():
+    client = RecordingClient()
+    try:
+        for call in (lambda: client.get("k"), lambda: client.put("k", "v"), lambda: client.lease(5)):
+            with pytest.raises(RuntimeError, match="seen"):
+                call()
+        with pytest.raises(RuntimeError, match="seen"):
+            client.transaction(compare=[], success=[], failure=[])
+        assert [e.code() for e in client.errors] == [grpc.StatusCode.UNAVAILABLE] * 4, UPDATE
+        with pytest.raises(grpc.RpcError) as raised:
+            client.keep_alive_once(7, timeout=1.0)  # a stream of our own: not routed, raised as it is
+        assert raised.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        client.close()
+
+
+def test_switching_the_endpoint_drops_its_stubs_and_closes_its_watcher():
+    client = RecordingClient()
+    try:
+        first = client.endpoint_label
+        kv_stub = client.kvstub
+        assert client.kvstub is kv_stub, f"pyetcd no longer caches its stubs: {UPDATE}"
+        closed = threading.Event()
+        client.watcher = type("Watcher", (), {"close": lambda self: closed.set()})()
+        other = next(label for label in client.endpoints if label != first)
+        client.use_endpoint(other)
+        assert client.endpoint_label == other and client.endpoint_in_use is client.endpoints[other]
+        assert client.kvstub is not kv_stub, f"switching endpoints kept the old stubs: {UPDATE}"
+        assert closed.is_set(), f"dropping the stubs no longer closes the watcher: {UPDATE}"
+    finally:
+        client.close()
+
+
+class RecordingStub:
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def Watch(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return iter(())  # a stream that ends at once
+
+
+def test_the_watcher_opens_its_stream_through_the_stub_it_was_given():
+    parameters = inspect.signature(pyetcd_watch.Watcher.__init__).parameters
+    assert list(parameters)[:5] == ["self", "watchstub", "timeout", "call_credentials", "metadata"], UPDATE
+    stub = RecordingStub()
+    watcher = HookedWatcher(stub, timeout=0.5, call_credentials=None, metadata=(("token", "t"),))
+    with pytest.raises(WatchTimedOut):  # the stream ended before anything confirmed the watch
+        watcher.add_callback("k", lambda response: None)
+    assert len(stub.calls) == 1, UPDATE
+    args, kwargs = stub.calls[0]
+    assert len(args) == 1 and kwargs == {"credentials": None, "metadata": (("token", "t"),)}, UPDATE
+
+
+def test_ending_the_requests_of_a_dead_stream_does_not_block():
+    watcher = HookedWatcher(RecordingStub(), timeout=0.5)
+    for attribute in ("_lock", "_callback_thread", "_stopping", "_request_queue"):
+        assert hasattr(watcher, attribute), f"pyetcd's watcher lost {attribute}: {UPDATE}"
+    assert isinstance(watcher._request_queue, queue.Queue) and watcher._request_queue.maxsize > 0, UPDATE
+    watcher._callback_thread = threading.current_thread()  # as if its stream thread ran, stuck on a dead stream
+    while not watcher._request_queue.full():
+        watcher._request_queue.put_nowait(object())
+    ended = threading.Thread(target=watcher.end_requests, daemon=True)
+    ended.start()
+    ended.join(timeout=5)
+    assert not ended.is_alive()
+
+
+def test_our_client_raises_the_launcher_s_errors(etcd):
+    nobody = etcd_client.connect("127.0.0.1:1,127.0.0.2:1", timeout=1.0)
+    try:
+        first = nobody.endpoint_label
+        with pytest.raises(EtcdUnavailable) as raised:
+            nobody.get("k")
+        assert etcd_client.is_transient(raised.value) and isinstance(raised.value.__cause__, grpc.RpcError)
+        assert nobody.endpoint_label != first, "a failed call sends the next one to the other endpoint"
+    finally:
+        nobody.close()
+    client = etcd_client.connect(etcd.endpoint)
+    try:
+        with pytest.raises(LeaseGone) as gone:
+            client.revoke_lease(0x1234)
+        assert etcd_client.is_lease_gone(gone.value) and not etcd_client.is_transient(gone.value)
+        with pytest.raises(LeaseGone):
+            client.put("k", "v", lease=0x1234)
+    finally:
+        client.close()
