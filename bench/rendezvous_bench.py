@@ -253,7 +253,7 @@ def host_main(index: int, spec: dict, conn, events) -> None:
         def die(self) -> float:
             """Stop refreshing the lease and end the loop without leaving; returns the time of death."""
             when = time.time()
-            self.keeper.stop()
+            self.me.keeper.stop()
             self.killed = True
             self.mirror.poke()
             return when

@@ -1,0 +1,150 @@
+"""This node's workers in the current round, as the agent drives them: start, poll, drain, stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from launcher.config import LaunchConfig
+from launcher.etcd.server import free_port
+from launcher.node import rules
+from launcher.node.rules import Phase, RoundRun
+from launcher.rendezvous.job_view import JobView
+from launcher.rendezvous.protocol import JobStore
+from launcher.rendezvous.records import DrainReport, DrainRequest, MasterRecord, Member, NodeFailure, RoundHeader
+from launcher.workers.group import WorkerOutcome
+from launcher.workers.warm_pool import WarmPool
+from launcher.workers.watchdog import Stall, StartupHistory
+
+logger = logging.getLogger(__name__)
+
+# builds a round's workers: (config, round, member, master, start-up history, warm pool) -> a WorkerGroup
+WorkerGroupFactory = Callable[[LaunchConfig, RoundHeader, Member, MasterRecord, StartupHistory, WarmPool | None], Any]
+
+
+class RoundWorkers:
+    """Holds the WorkerGroup of the round this node runs (None between rounds) and writes what it says to etcd."""
+
+    def __init__(
+        self, config: LaunchConfig, store: JobStore, node_id: str, factory: WorkerGroupFactory, warm: WarmPool | None
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.node_id = node_id
+        self.factory = factory
+        self.warm = warm
+        self.startups = StartupHistory()  # how long our workers take to their first heartbeat, over rounds
+        self.group: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self.group is not None
+
+    def reporting_hang(self) -> bool:
+        """Our watchdog is killing a hung worker: the roll call is answered with that failure, not before it."""
+        return self.group is not None and self.group.reporting_hang()
+
+    def stall(self) -> Stall | None:
+        return self.group.stall() if self.group is not None else None
+
+    def start(self, run: RoundRun, member: Member, master: MasterRecord | None) -> None:
+        if master is None:  # we are group rank 0: publish where our store will listen
+            master = MasterRecord(addr=member.addr, port=free_port(member.addr))
+            if not self.store.publish_master(run.round, run.revision, master):
+                return  # the round moved on; the next step enters the new one
+        self.group = self.factory(self.config, run.header, member, master, self.startups, self.warm)
+        self.group.start()
+        run.phase = Phase.RUNNING
+        run.refill_warm_at = rules.refill_warm_at(time.monotonic(), self.startups.longest) if self.warm else None
+
+    def poll(self, run: RoundRun) -> None:
+        """Note how the workers ended, if they did: the next step reports it."""
+        outcome, failures = self.group.poll()
+        if outcome is WorkerOutcome.RUNNING:
+            return
+        if outcome is WorkerOutcome.FAILED:
+            for failure in failures:
+                if failure.hung:
+                    logger.error(
+                        "round %d: worker local_rank %d (rank %d) %s",
+                        failure.round,
+                        failure.local_rank,
+                        failure.rank,
+                        failure.message,
+                    )
+                    continue
+                logger.error(
+                    "round %d: worker local_rank %d (rank %d) failed with exit code %d",
+                    failure.round,
+                    failure.local_rank,
+                    failure.rank,
+                    failure.exit_code,
+                )
+            self.stop()  # peers of a failed worker usually hang in their next collective
+            run.outcome = NodeFailure(node=self.node_id, round=run.round, failures=failures)
+        else:
+            run.outcome = rules.WorkersSucceeded()
+        run.phase = Phase.FINISHED
+
+    def follow_drain(self, run: RoundRun, request: DrainRequest | None) -> None:
+        """Pass the round's drain to our workers, withdraw it when it is gone, and answer once they drained."""
+        if request is None:
+            if run.drain_asked and self.group is not None:
+                logger.info("round %d: the drain was withdrawn; workers train on", run.round)
+                self.group.request_drain(0)
+            run.drain_asked = 0
+            return
+        if run.drain_answered == request.number:
+            return
+        if self.group is None or run.phase is not Phase.RUNNING:
+            answer = DrainReport(number=request.number, step=None)  # no workers running: nothing to drain
+        else:
+            if run.drain_asked != request.number:
+                logger.info(
+                    "round %d: drain before %s: asking the workers to checkpoint at their next step",
+                    run.round,
+                    request.reason,
+                )
+                self.group.request_drain(request.number)
+                run.drain_asked = request.number
+            pending = self.group.drain_answer(request.number)
+            if pending is None:
+                return  # still saving
+            answer = pending
+        if self.store.report_drained(run.round, run.revision, self.node_id, answer):
+            run.drain_answered = request.number
+            if answer.step is not None:
+                logger.info("round %d: workers drained at step %d", run.round, answer.step)
+
+    def drain_before_leaving(
+        self, run: RoundRun | None, read_view: Callable[[], tuple[JobView, int]], wait: Callable[[int, float], Any]
+    ) -> None:
+        """Our leave notice makes the controller ask for a drain: keep the workers until it committed (at most
+        --drain-timeout), so the next round redoes nothing of theirs."""
+        if run is None or self.group is None or run.phase is not Phase.RUNNING or not self.config.drain_timeout:
+            return
+        deadline = time.monotonic() + self.config.drain_timeout
+        while time.monotonic() < deadline:
+            view, seen = read_view()
+            header = view.round_header
+            if view.status is not None or header is None or header.round != run.round:
+                return  # the job or the round moved on
+            if self.group is None or self.group.poll()[0] is not WorkerOutcome.RUNNING:
+                return
+            self.follow_drain(run, view.drains.get(run.round))
+            if run.drain_answered:
+                return
+            wait(seen, self.config.monitor_interval)
+        logger.warning(
+            "the workers did not drain within --drain-timeout %gs; leaving anyway (the next round redoes "
+            "the steps since the last checkpoint)",
+            self.config.drain_timeout,
+        )
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        if self.group is not None:
+            self.group.stop(signum)
+            self.group = None
