@@ -13,8 +13,10 @@ from launcher.commands import timeline
 from launcher.config import add_rdzv_conf_flag, security_from_rdzv_conf
 from launcher.etcd import client as etcd_client
 from launcher.rendezvous import membership_log
-from launcher.rendezvous.membership_log import MembershipEvent
-from launcher.rendezvous.protocol import JobKeys
+from launcher.rendezvous.protocol import JobStore
+from launcher.rendezvous.records import TERMINAL_EVENTS, MembershipEvent
+
+_ETCD_DEADLINE_S = 30.0  # how long a read waits for etcd to answer before the command gives up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +80,7 @@ def _from_file(path: Path, args: argparse.Namespace) -> int:
         events = [MembershipEvent.model_validate_json(line) for line in chunk.splitlines() if line.strip()]
         _print(events, args.json, header)
         header = header and not events
-        if not args.follow or any(e.event in membership_log.TERMINAL_EVENTS for e in events):
+        if not args.follow or any(e.event in TERMINAL_EVENTS for e in events):
             return 0
         time.sleep(args.interval)
 
@@ -92,9 +94,9 @@ def _from_etcd(args: argparse.Namespace) -> int:
     except (ValueError, etcd_client.EtcdUnreachable) as exc:
         print(f"elastic-run log: error: {exc}", file=sys.stderr)
         return 1
-    keys, seen, header = JobKeys(args.rdzv_id), 0, True
+    store, seen, header = JobStore(client, args.rdzv_id), 0, True
     try:
-        events = etcd_client.call_with_retry(membership_log.read_events, client, keys.events)
+        events = store.read_events(deadline_s=_ETCD_DEADLINE_S)
         if not events and not args.follow:
             print(
                 f"elastic-run log: error: no events for job {args.rdzv_id!r} at {args.rdzv_endpoint} (check --rdzv-id)",
@@ -107,10 +109,10 @@ def _from_etcd(args: argparse.Namespace) -> int:
             _print(events, args.json, header)
             if events:
                 header, seen = False, events[-1].revision or seen
-            if not args.follow or any(e.event in membership_log.TERMINAL_EVENTS for e in events):
+            if not args.follow or any(e.event in TERMINAL_EVENTS for e in events):
                 return 0
             time.sleep(args.interval)
-            events = etcd_client.call_with_retry(membership_log.read_events, client, keys.events, seen)
+            events = store.read_events(seen, deadline_s=_ETCD_DEADLINE_S)
     except KeyboardInterrupt:
         return 130
     finally:

@@ -35,14 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     store = JobStore(client, args.rdzv_id)
     try:
-        if etcd_client.call_with_retry(store.key_count) == 0:
+        if store.key_count() == 0:
             print(
                 f"elastic-run purge: error: no job {args.rdzv_id!r} at {args.rdzv_endpoint} (check --rdzv-id)",
                 file=sys.stderr,
             )
             return 1
         status = store.read_status()
-        live = etcd_client.call_with_retry(store.live_nodes)
+        live = store.live_nodes()
         if status is None and (live or not args.force):
             why = f"{live} agent(s) still registered" if live else "it has no final status"
             print(
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        count = etcd_client.call_with_retry(store.purge)
+        count = store.purge()
         state = status.state if status is not None else "abandoned"
         print(f"purged job {args.rdzv_id!r} ({state}): {count} key(s) deleted")
         return 0

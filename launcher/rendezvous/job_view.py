@@ -5,10 +5,26 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from pydantic import ValidationError
 
-from launcher.etcd.watch import Entry
+from launcher.etcd.entry import Entry
+from launcher.rendezvous.protocol import (
+    ControllerKey,
+    DrainKey,
+    JobKey,
+    JobKeys,
+    LeftKey,
+    MasterKey,
+    MemberBucketKey,
+    NodeKey,
+    ReportKey,
+    ReportKind,
+    RollCallKey,
+    RoundHeaderKey,
+    StatusKey,
+)
 from launcher.rendezvous.records import (
     DrainReport,
     DrainRequest,
@@ -63,7 +79,6 @@ class JobView:
         return self.reports.get(self.round.round, RoundReports()) if self.round else RoundReports()
 
 
-_ROUND_REPORT_KINDS = {"ack", "done", "failed", "alive", "lost", "drained", "stalled"}
 # (full key, mod revision) of every malformed value warned about: once per process, however many parsers see it
 _warned: set[tuple[str, int]] = set()
 
@@ -78,9 +93,8 @@ class ViewParser:
     def __init__(self, state_prefix: str, mirror_prefix: str) -> None:
         if not mirror_prefix.startswith(state_prefix):
             raise ValueError(f"{mirror_prefix} is not below {state_prefix}")
-        self.state_prefix = state_prefix
-        self._below_state = mirror_prefix[len(state_prefix) :]  # what turns a mirror key into a state key
-        # key -> (mod revision, parsed record): a controller of thousands of nodes re-parses only what changed
+        self.mirror_prefix = mirror_prefix  # what turns a mirror's key into the full key
+        # full key -> (mod revision, parsed record): a controller of thousands of nodes re-parses only what changed
         self._parsed: dict[str, tuple[int, object]] = {}
         self._next_parsed: dict[str, tuple[int, object]] = {}
         self._assembled: tuple[int, RoundRecord] | None = None  # (header revision, the round it assembled)
@@ -89,15 +103,15 @@ class ViewParser:
         view = JobView(revision=revision)
         self._next_parsed = {}
         buckets: dict[int, list[MemberBucket]] = {}
-        for key, entry in entries.items():
-            key = self._below_state + key
+        for below, entry in entries.items():
+            key = self.mirror_prefix + below
             try:
-                if key.startswith("members/"):
-                    number = int(key.split("/")[1])
-                    buckets.setdefault(number, []).append(self._load(key, entry, MemberBucket))
+                parsed = JobKeys.parse(key)
+                if isinstance(parsed, MemberBucketKey):
+                    buckets.setdefault(parsed.round, []).append(self._load(key, entry, MemberBucket))
                 else:
-                    self._place(view, key, entry)
-            except (ValidationError, ValueError, UnicodeDecodeError, IndexError) as exc:
+                    self._place(view, parsed, key, entry)
+            except (ValidationError, ValueError, UnicodeDecodeError) as exc:
                 self._warn(key, entry, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         self._parsed = self._next_parsed
         header = view.round_header
@@ -114,51 +128,54 @@ class ViewParser:
         return record
 
     def _warn(self, key: str, entry: Entry, why: str) -> None:
-        if (self.state_prefix + key, entry.mod_revision) in _warned:
+        if (key, entry.mod_revision) in _warned:
             return
-        _warned.add((self.state_prefix + key, entry.mod_revision))
-        logger.warning("ignoring malformed value under the job's prefix at %s%s (%s)", self.state_prefix, key, why)
+        _warned.add((key, entry.mod_revision))
+        logger.warning("ignoring malformed value under the job's prefix at %s (%s)", key, why)
 
-    def _place(self, view: JobView, key: str, entry: Entry) -> None:
+    def _place(self, view: JobView, parsed: JobKey, key: str, entry: Entry) -> None:
         raw = entry.value
-        head, _, rest = key.partition("/")
-        if key == "ctl/controller":
-            view.controller = raw.decode()
-        elif key == "ctl/round":
-            view.round_header, view.round_revision = self._load(key, entry, RoundHeader), entry.mod_revision
-        elif key == "ctl/status":
-            view.status = JobStatus.loads(raw)
-        elif key.startswith("ctl/master/"):
-            view.masters[int(key.rsplit("/", 1)[1])] = MasterRecord.loads(raw)
-        elif key.startswith("ctl/rollcall/"):
-            view.rollcalls[int(key.rsplit("/", 1)[1])] = RollCall.loads(raw)
-        elif key.startswith("ctl/drain/"):
-            view.drains[int(key.rsplit("/", 1)[1])] = DrainRequest.loads(raw)
-        elif head == "nodes" and rest:
-            record = self._load(key, entry, NodeRecord)
-            if record.node != rest:
-                raise ValueError(f"record names node {record.node!r}")
-            view.nodes[rest] = record
-        elif head == "left" and rest:
-            view.left[rest] = self._load(key, entry, LeaveRecord)
-        elif head == "rounds":
-            number, kind, node = rest.split("/", 2)
-            if kind not in _ROUND_REPORT_KINDS or not node:
-                raise ValueError(f"unknown round report {kind!r}")
-            reports = view.reports.setdefault(int(number), RoundReports())
-            if kind == "failed":
-                reports.failed[node] = self._load(key, entry, NodeFailure)
-            elif kind == "ack":
+        match parsed:
+            case ControllerKey():
+                view.controller = raw.decode()
+            case RoundHeaderKey():
+                view.round_header, view.round_revision = self._load(key, entry, RoundHeader), entry.mod_revision
+            case StatusKey():
+                view.status = JobStatus.loads(raw)
+            case MasterKey(round=number):
+                view.masters[number] = MasterRecord.loads(raw)
+            case RollCallKey(round=number):
+                view.rollcalls[number] = RollCall.loads(raw)
+            case DrainKey(round=number):
+                view.drains[number] = DrainRequest.loads(raw)
+            case NodeKey(node=node):
+                record = self._load(key, entry, NodeRecord)
+                if record.node != node:
+                    raise ValueError(f"record names node {record.node!r}")
+                view.nodes[node] = record
+            case LeftKey(node=node):
+                view.left[node] = self._load(key, entry, LeaveRecord)
+            case ReportKey():
+                self._place_report(view.reports.setdefault(parsed.round, RoundReports()), parsed, key, entry)
+            case _:
+                raise ValueError("not a key of a job's state")
+
+    def _place_report(self, reports: RoundReports, parsed: ReportKey, key: str, entry: Entry) -> None:
+        node, raw = parsed.node, entry.value
+        match parsed.kind:
+            case ReportKind.ACK:
                 reports.acked.add(node)
-            elif kind == "done":
+            case ReportKind.DONE:
                 reports.done.add(node)
-            elif kind == "alive":
+            case ReportKind.FAILED:
+                reports.failed[node] = self._load(key, entry, NodeFailure)
+            case ReportKind.ALIVE:
                 reports.alive[node] = raw.decode()
-            elif kind == "drained":
+            case ReportKind.DRAINED:
                 reports.drained[node] = DrainReport.loads(raw)
-            elif kind == "stalled":
+            case ReportKind.STALLED:
                 reports.stalled[node] = self._load(key, entry, StallReport)
-            else:
+            case ReportKind.LOST:
                 reports.lost[node] = raw.decode()
-        else:
-            raise ValueError("not a key of this protocol")
+            case _:
+                assert_never(parsed.kind)

@@ -1,94 +1,33 @@
-"""The membership log: events appended in etcd, mirrored to <log-dir>/membership.jsonl, rendered as a table."""
+"""The membership log: the job's events (records.MembershipEvent), read through `JobStore.read_events`, appended
+to <log-dir>/membership.jsonl, rendered as a table."""
 
 from __future__ import annotations
 
 import fcntl
 import json
-import logging
 import os
 import threading
-import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from launcher.rendezvous.protocol import JobKeys, JobStore
+from launcher.rendezvous.records import MembershipEvent
+from launcher.rendezvous.records import new_event as new_event  # controller.py imports it from here
 
-EventName = Literal[
-    "node_joined",
-    "node_left",
-    "node_lost",
-    "round_started",
-    "worker_failed",
-    "worker_hung",
-    "workers_stalled",
-    "restart",
-    "job_finished",
-    "job_failed",
-    "node_quarantined",
-    "node_readmitted",
-    "drain_requested",
-    "drain_committed",
-    "drain_timed_out",
-    "controller_lost",
-]
-TERMINAL_EVENTS = {"job_finished", "job_failed"}
-logger = logging.getLogger(__name__)
-_warned_keys: set[bytes] = set()
 LOG_FILE_NAME = "membership.jsonl"
+EventReader = Callable[[int], list[MembershipEvent]]  # the events above a revision, in log order
 
 
-class MembershipEvent(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    event: EventName
-    time: float
-    round: int | None = None
-    node: str | None = None
-    world_size: int | None = None
-    members: list[dict] | None = None
-    local_rank: int | None = None
-    rank: int | None = None
-    exit_code: int | None = None
-    restart_count: int | None = None
-    reason: str | None = None
-    message: str | None = None
-    # worker_hung, workers_stalled: how long it had been (they had all been) silent when the watchdog acted
-    seconds_silent: float | None = None
-    last_step: int | None = None  # worker_hung, workers_stalled: the last step reported
-    step: int | None = None  # drain_committed: the step the workers checkpointed before the change
-    revision: int | None = None  # etcd create revision: the order of the log, filled in when read back
-
-    def dumps(self) -> str:
-        return self.model_dump_json(exclude_none=True)
+def read_events(client: Any, events_prefix: str, after_revision: int = 0) -> list[MembershipEvent]:
+    """The events under `events_prefix` above `after_revision`, read through the job's JobStore: the form the tests
+    that predate `JobStore.read_events` call (issue #21)."""
+    return _store_of(client, events_prefix).read_events(after_revision)
 
 
-def new_event(event: EventName, **fields) -> MembershipEvent:
-    return MembershipEvent(event=event, time=time.time(), **fields)
-
-
-def read_events(client, events_prefix: str, after_revision: int = 0) -> list[MembershipEvent]:
-    """Events with an etcd revision above `after_revision`, in log order."""
-    # events are never modified, so their mod revision is their create revision
-    kwargs = {"min_mod_revision": after_revision + 1} if after_revision else {}
-    found = []
-    for raw, meta in client.get_prefix(events_prefix, **kwargs):
-        try:
-            event = MembershipEvent.model_validate_json(raw)
-        except ValidationError as exc:
-            if meta.key not in _warned_keys:  # a foreign or damaged value: named once, never fatal
-                _warned_keys.add(meta.key)
-                logger.warning(
-                    "ignoring malformed membership event at %s (%s)",
-                    meta.key.decode(errors="replace"),
-                    str(exc).splitlines()[0],
-                )
-            continue
-        event.revision = meta.create_revision
-        found.append((meta.create_revision, meta.key, event))
-    found.sort(key=lambda item: (item[0], item[1]))
-    return [event for _, _, event in found]
+def _store_of(client: Any, events_prefix: str) -> JobStore:
+    return JobStore(client, JobKeys.of(events_prefix).rdzv_id)
 
 
 class LogMirror:
@@ -115,9 +54,15 @@ class LogMirror:
                 mirror = cls._by_path[path] = cls(log_dir)
             return mirror
 
-    def sync(self, client, events_prefix: str) -> None:
+    def sync(self, read: EventReader | Any, events_prefix: str | None = None) -> None:
+        """Append the events `read(after_revision)` returns (a JobStore's `read_events`) that the file lacks.
+
+        `sync(client, events_prefix)` is the form agent.py and controller.py still use; it goes once they pass
+        their store's `read_events` (issue #21)."""
+        if events_prefix is not None:
+            read = _store_of(read, events_prefix).read_events
         with self._lock:
-            events = read_events(client, events_prefix, self.seen_revision)
+            events = read(self.seen_revision)
             if events:
                 self._append(events)
 

@@ -21,10 +21,16 @@ Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the mem
 | state/rounds/<round>/stalled/<node>| StallReport   | agent       | all its workers silent for several step intervals | round rev unchanged        | the agent, when they beat again; controller, when the next round forms |
 | state/rounds/<round>/lost/<node>  | reason         | controller  | a member's lease ended, or it was evicted | holds controller; marker absent    | controller, when the next round forms     |
 | events/<time_ns>-<author>-<seq>   | MembershipEvent| both        | in the same transaction as the change | that change's guard                    | controller keeps the newest `max_events`; purge |
+| access-check/<uuid>               | ""             | elastic-run | at start, before the agent: may this etcd user write here? | none (unique to the check) | the same check, at once |
 
 Agents watch only `state/ctl/` (a few small keys per round, whatever the job's size) and read the one member
 bucket that holds their node (by a hash of the node id); the controller watches all of `state/`. Every write that
 may be retried carries a marker key unique to that attempt (its event, or its own value), so a retry whose first attempt committed, and only the reply was lost, recognises its own write.
+
+`JobKeys` builds every key of the table and `JobKeys.parse` reads one back as a typed key (`NodeKey`, `ReportKey`,
+...): nothing else spells the layout. `JobStore` does every read and write of a job; it retries while etcd does not
+answer and raises the launcher's errors, never gRPC's: `EtcdUnavailable` once its deadline passed, `LeaseGone`,
+`NodeIdTaken`. A refusal (an etcd user without the rights) stays the client's error, which `etcd_client.explain` words.
 """
 
 from __future__ import annotations
@@ -34,9 +40,13 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from enum import Enum
+from typing import Any, TypeAlias
 
-from launcher.etcd import client as etcd_client
-from launcher.rendezvous.membership_log import MembershipEvent, new_event
+from pydantic import ValidationError
+
+from launcher.etcd.entry import Entry
+from launcher.etcd.errors import LeaseGone, call_with_retry
 from launcher.rendezvous.records import (
     DrainReport,
     DrainRequest,
@@ -45,6 +55,7 @@ from launcher.rendezvous.records import (
     MasterRecord,
     Member,
     MemberBucket,
+    MembershipEvent,
     NodeFailure,
     NodeRecord,
     RollCall,
@@ -52,27 +63,129 @@ from launcher.rendezvous.records import (
     RoundRecord,
     StallReport,
     bucket_of,
+    new_event,
 )
 
 logger = logging.getLogger(__name__)
 
 KEY_ROOT = "/elastic"
 _sequence = itertools.count()
-_WRITE_DEADLINE_S = 30.0
+# How long a call waits for etcd to answer before it raises EtcdUnavailable:
+_WRITE_DEADLINE_S = 30.0  # the protocol's writes and reads that the job cannot go on without
+_STEP_DEADLINE_S = 5.0  # an agent's own steps, which its caller retries or gives up on its own schedule
+_HOUSEKEEPING_DEADLINE_S = 1.0  # trimming and mirroring the log: its next turn does what this one could not
+# (full key, mod revision) of every malformed event warned about: once per process, however often it is read
+_warned_events: set[tuple[str, int]] = set()
 
 
 class NodeIdTaken(Exception):
     """Another live agent holds this node id in the job."""
 
 
+class ReportKind(str, Enum):
+    """What a node reports about a round, under `state/rounds/<round>/<kind>/<node>` (`lost`: the controller)."""
+
+    ACK = "ack"
+    DONE = "done"
+    FAILED = "failed"
+    ALIVE = "alive"
+    DRAINED = "drained"
+    STALLED = "stalled"
+    LOST = "lost"
+
+
+# The keys of the table, parsed (`JobKeys.parse`): what each names, without the job it belongs to.
+@dataclass(frozen=True)
+class NodeKey:
+    node: str
+
+
+@dataclass(frozen=True)
+class LeftKey:
+    node: str
+
+
+@dataclass(frozen=True)
+class ControllerKey:
+    pass
+
+
+@dataclass(frozen=True)
+class RoundHeaderKey:
+    pass
+
+
+@dataclass(frozen=True)
+class StatusKey:
+    pass
+
+
+@dataclass(frozen=True)
+class MasterKey:
+    round: int
+
+
+@dataclass(frozen=True)
+class RollCallKey:
+    round: int
+
+
+@dataclass(frozen=True)
+class DrainKey:
+    round: int
+
+
+@dataclass(frozen=True)
+class MemberBucketKey:
+    round: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class ReportKey:
+    round: int
+    kind: ReportKind
+    node: str
+
+
+@dataclass(frozen=True)
+class EventKey:
+    time_ns: int
+    author: str
+    sequence: int
+
+
+@dataclass(frozen=True)
+class AccessCheckKey:
+    probe: str
+
+
+JobKey: TypeAlias = (
+    NodeKey
+    | LeftKey
+    | ControllerKey
+    | RoundHeaderKey
+    | StatusKey
+    | MasterKey
+    | RollCallKey
+    | DrainKey
+    | MemberBucketKey
+    | ReportKey
+    | EventKey
+    | AccessCheckKey
+)
+
+
 class JobKeys:
     """Every key of one job, under /elastic/<rdzv-id>/, so two jobs on one etcd never see each other."""
 
     def __init__(self, rdzv_id: str) -> None:
+        self.rdzv_id = rdzv_id
         self.prefix = f"{KEY_ROOT}/{rdzv_id}/"
         self.state = self.prefix + "state/"
         self.ctl = self.state + "ctl/"
         self.events = self.prefix + "events/"
+        self.access_checks = self.prefix + "access-check/"
         self.nodes = self.state + "nodes/"
         self.left_prefix = self.state + "left/"
         self.controller = self.ctl + "controller"
@@ -83,6 +196,12 @@ class JobKeys:
         self.drains = self.ctl + "drain/"
         self.rounds = self.state + "rounds/"
         self.members = self.state + "members/"
+
+    @classmethod
+    def of(cls, key: str) -> JobKeys:
+        """The keys of the job that `key` (a key of the table, or a prefix of one) belongs to."""
+        rdzv_id, _ = _split_job(key)
+        return cls(rdzv_id)
 
     def node(self, node: str) -> str:
         return self.nodes + node
@@ -108,12 +227,63 @@ class JobKeys:
     def round_prefix(self, round_: int) -> str:
         return f"{self.rounds}{round_:010d}/"
 
-    def report(self, round_: int, kind: str, node: str) -> str:
-        return f"{self.round_prefix(round_)}{kind}/{node}"
+    def report(self, round_: int, kind: ReportKind, node: str) -> str:
+        return f"{self.round_prefix(round_)}{kind.value}/{node}"
 
     def new_event_key(self, author: str) -> str:
         """Sorts by time; unique per writer and call, so an event put is its own idempotence marker."""
         return f"{self.events}{time.time_ns():020d}-{author}-{next(_sequence):06d}"
+
+    def new_access_check_key(self) -> str:
+        return f"{self.access_checks}{uuid.uuid4().hex}"
+
+    @staticmethod
+    def parse(key: str) -> JobKey:
+        """What the full key `key` of any job names, as the builders above spell it; ValueError if none does."""
+        _, below = _split_job(key)
+        match below.split("/"):
+            case ["state", "nodes", node] if node:
+                return NodeKey(node)
+            case ["state", "left", node] if node:
+                return LeftKey(node)
+            case ["state", "ctl", "controller"]:
+                return ControllerKey()
+            case ["state", "ctl", "round"]:
+                return RoundHeaderKey()
+            case ["state", "ctl", "status"]:
+                return StatusKey()
+            case ["state", "ctl", "master", number]:
+                return MasterKey(_number(number))
+            case ["state", "ctl", "rollcall", number]:
+                return RollCallKey(_number(number))
+            case ["state", "ctl", "drain", number]:
+                return DrainKey(_number(number))
+            case ["state", "members", number, bucket]:
+                return MemberBucketKey(_number(number), _number(bucket))
+            case ["state", "rounds", number, kind, node] if node:
+                return ReportKey(_number(number), ReportKind(kind), node)
+            case ["events", name]:
+                time_ns, _, rest = name.partition("-")
+                author, _, sequence = rest.rpartition("-")
+                if author:
+                    return EventKey(_number(time_ns), author, _number(sequence))
+            case ["access-check", probe] if probe:
+                return AccessCheckKey(probe)
+        raise ValueError(f"{key!r} is not a key of this protocol")
+
+
+def _split_job(key: str) -> tuple[str, str]:
+    """(rdzv id, the rest) of a key under KEY_ROOT."""
+    rdzv_id, slash, below = key.removeprefix(KEY_ROOT + "/").partition("/")
+    if not key.startswith(KEY_ROOT + "/") or not rdzv_id or not slash:
+        raise ValueError(f"{key!r} is not a key of a job under {KEY_ROOT}/")
+    return rdzv_id, below
+
+
+def _number(text: str) -> int:
+    if not text.isascii() or not text.isdigit():
+        raise ValueError(f"{text!r} is not a number")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -133,10 +303,15 @@ class Holder:
 
 
 class JobStore:
-    """The named operations of the protocol on one job; the only code that builds etcd transactions for it."""
+    """The named operations of the protocol on one job; the only code that reads or writes its keys.
 
-    def __init__(self, client, rdzv_id: str) -> None:
-        self.client = client
+    Each operation retries while etcd does not answer, up to its deadline, then raises EtcdUnavailable; one under
+    a lease etcd no longer has raises LeaseGone (the connection, `launcher.etcd.client`, turns gRPC's errors into
+    these, so that this module, which the pure rules import for its keys, imports no etcd client).
+    """
+
+    def __init__(self, client: Any, rdzv_id: str) -> None:
+        self.client = client  # a launcher.etcd.client connection
         self.keys = JobKeys(rdzv_id)
         self._tx = client.transactions
 
@@ -152,7 +327,15 @@ class JobStore:
             won, responses = self.client.transaction(compare=compare, success=success, failure=[self._tx.get(marker)])
             return won or bool(responses and responses[0])
 
-        return etcd_client.call_with_retry(attempt, deadline_s=deadline_s)
+        return call_with_retry(attempt, deadline_s=deadline_s)
+
+    def _apply(self, compare: list, success: list, deadline_s: float = _WRITE_DEADLINE_S) -> None:
+        """Run one guarded transaction whose repeat is harmless (deletes), retrying transient errors; a false guard
+        means there is nothing left to do."""
+        call_with_retry(self.client.transaction, compare=compare, success=success, failure=[], deadline_s=deadline_s)
+
+    def _count(self, prefix: str, deadline_s: float = _WRITE_DEADLINE_S) -> int:
+        return call_with_retry(self.client.get_prefix_response, prefix, count_only=True, deadline_s=deadline_s).count
 
     def _event(self, event: MembershipEvent, author: str) -> tuple[str, object]:
         key = self.keys.new_event_key(author)
@@ -168,7 +351,7 @@ class JobStore:
 
     # -- agents --------------------------------------------------------------------------------------------
     def grant_lease(self, ttl: int):
-        return etcd_client.call_with_retry(self.client.lease, ttl)
+        return call_with_retry(self.client.lease, ttl, deadline_s=_WRITE_DEADLINE_S)
 
     def register(self, record: NodeRecord) -> None:
         """Join the job under `record.lease`; raises NodeIdTaken if another incarnation holds the id."""
@@ -195,12 +378,12 @@ class JobStore:
                 f"{holder.addr if holder else '?'}): pass a unique --node-id"
             )
 
-        etcd_client.call_with_retry(attempt, deadline_s=_WRITE_DEADLINE_S)
+        call_with_retry(attempt, deadline_s=_WRITE_DEADLINE_S)
 
     def announce_leaving(self, node: str, incarnation: int, reason: str) -> None:
         """Tell the controller we are leaving before our workers stop, so their peers' failures are not charged."""
         record = LeaveRecord(node=node, incarnation=incarnation, reason=reason)
-        etcd_client.call_with_retry(self.client.put, self.keys.left(node), record.dumps(), deadline_s=5)
+        call_with_retry(self.client.put, self.keys.left(node), record.dumps(), deadline_s=_STEP_DEADLINE_S)
 
     def leave(self, record: NodeRecord, round_: int | None, reason: str) -> None:
         """Our workers have exited: log node_left and drop our registration in one step, then end the lease."""
@@ -212,22 +395,20 @@ class JobStore:
             compare=[self._tx.value(key) == record.dumps()],
             success=[event_put, self._tx.delete(key)],
             marker=event_key,
-            deadline_s=5,
+            deadline_s=_STEP_DEADLINE_S,
         )
         self.revoke(record.lease)
 
-    def revoke(self, lease_id: int, deadline_s: float = 5.0) -> None:
+    def revoke(self, lease_id: int, deadline_s: float = _STEP_DEADLINE_S) -> None:
         """End a lease now; a lease that is already gone is fine."""
         try:
-            etcd_client.call_with_retry(self.client.revoke_lease, lease_id, deadline_s=deadline_s)
-        except Exception as exc:
-            if not etcd_client.is_lease_gone(exc):
-                raise
+            call_with_retry(self.client.revoke_lease, lease_id, deadline_s=deadline_s)
+        except LeaseGone as exc:
             logger.debug("lease %x already gone: %s", lease_id, exc)
 
     def read_node(self, node: str) -> NodeRecord | None:
         """A node's registration as etcd holds it now (None: not registered)."""
-        raw, _ = etcd_client.call_with_retry(self.client.get, self.keys.node(node), deadline_s=5)
+        raw, _ = call_with_retry(self.client.get, self.keys.node(node), deadline_s=_STEP_DEADLINE_S)
         return NodeRecord.model_validate_json(raw) if raw is not None else None
 
     def depose_controller(self, holder: Holder, reason: str, author: str) -> bool:
@@ -257,17 +438,14 @@ class JobStore:
             return won or bool(found and found[0][0].decode() == value)
 
         try:
-            return etcd_client.call_with_retry(attempt, deadline_s=5)
-        except Exception as exc:
-            if etcd_client.is_lease_gone(exc):
-                return False  # our lease ended meanwhile: the agent rejoins before it can lead
-            raise
+            return call_with_retry(attempt, deadline_s=_STEP_DEADLINE_S)
+        except LeaseGone:
+            return False  # our lease ended meanwhile: the agent rejoins before it can lead
 
     def read_member(self, header: RoundHeader, node: str, incarnation: int) -> Member | None:
         """This incarnation's place in the round `header` announces (None: not a member): one bucket read."""
-        raw, _ = etcd_client.call_with_retry(
-            self.client.get, self.keys.member_bucket(header.round, bucket_of(node, header.buckets)), deadline_s=5
-        )
+        key = self.keys.member_bucket(header.round, bucket_of(node, header.buckets))
+        raw, _ = call_with_retry(self.client.get, key, deadline_s=_STEP_DEADLINE_S)
         return MemberBucket.loads(raw).member(node, incarnation) if raw is not None else None
 
     def publish_master(self, round_: int, round_revision: int, master: MasterRecord) -> bool:
@@ -275,17 +453,17 @@ class JobStore:
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, master.dumps())], key)
 
     def acknowledge(self, round_: int, round_revision: int, node: str, pid: int) -> bool:
-        key = self.keys.report(round_, "ack", node)
+        key = self.keys.report(round_, ReportKind.ACK, node)
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, str(pid))], key)
 
     def report_done(self, round_: int, round_revision: int, node: str) -> bool:
-        key = self.keys.report(round_, "done", node)
+        key = self.keys.report(round_, ReportKind.DONE, node)
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, "0")], key)
 
     def report_failed(self, round_revision: int, report: NodeFailure) -> bool:
         """Workers failed: the report and one worker_failed (or worker_hung) event each, only while the round is
         still current."""
-        key = self.keys.report(report.round, "failed", report.node)
+        key = self.keys.report(report.round, ReportKind.FAILED, report.node)
         events = [
             self._event(
                 new_event(
@@ -305,16 +483,16 @@ class JobStore:
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, report.dumps()), *events], key)
 
     def answer_rollcall(self, round_: int, round_revision: int, node: str, nonce: str) -> bool:
-        key = self.keys.report(round_, "alive", node)
+        key = self.keys.report(round_, ReportKind.ALIVE, node)
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, nonce)], key)
 
     def report_drained(self, round_: int, round_revision: int, node: str, report: DrainReport) -> bool:
-        key = self.keys.report(round_, "drained", node)
+        key = self.keys.report(round_, ReportKind.DRAINED, node)
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, report.dumps())], key)
 
     def report_stalled(self, round_: int, round_revision: int, node: str, report: StallReport) -> bool:
         """All our workers are silent past their stall allowance: the report and a workers_stalled event."""
-        key = self.keys.report(round_, "stalled", node)
+        key = self.keys.report(round_, ReportKind.STALLED, node)
         event = new_event(
             "workers_stalled",
             round=round_,
@@ -329,13 +507,8 @@ class JobStore:
 
     def clear_stalled(self, round_: int, round_revision: int, node: str) -> None:
         """Our workers beat again (or exited): the stall is over."""
-        etcd_client.call_with_retry(
-            self.client.transaction,
-            compare=[self._round_unchanged(round_revision)],
-            success=[self._tx.delete(self.keys.report(round_, "stalled", node))],
-            failure=[],
-            deadline_s=5,
-        )
+        stalled = self.keys.report(round_, ReportKind.STALLED, node)
+        self._apply([self._round_unchanged(round_revision)], [self._tx.delete(stalled)], deadline_s=_STEP_DEADLINE_S)
 
     # -- the controller ------------------------------------------------------------------------------------
     def form_round(
@@ -385,26 +558,18 @@ class JobStore:
         return self._commit(compare, [self._tx.put(key, request.dumps()), event_put], key)
 
     def withdraw_drain(self, holder: Holder, round_: int) -> None:
-        etcd_client.call_with_retry(
-            self.client.transaction,
-            compare=[self._holds_controller(holder)],
-            success=[self._tx.delete(self.keys.drain(round_))],
-            failure=[],
-        )
+        self._apply([self._holds_controller(holder)], [self._tx.delete(self.keys.drain(round_))])
 
     def mark_lost(self, holder: Holder, round_: int, node: str, reason: str) -> bool:
         """Record `node` as lost in `round_`, once: its marker and its node_lost event in one transaction."""
-        key = self.keys.report(round_, "lost", node)
+        key = self.keys.report(round_, ReportKind.LOST, node)
         _, event_put = self._event(new_event("node_lost", round=round_, node=node, reason=reason), holder.node)
         compare = [self._holds_controller(holder), self._tx.version(key) == 0]
         return self._commit(compare, [self._tx.put(key, reason), event_put], key)
 
     def forget_left(self, holder: Holder, nodes: list[str]) -> None:
         """Drop leave notices of nodes that are gone and belong to no round."""
-        ops = [self._tx.delete(self.keys.left(node)) for node in nodes]
-        etcd_client.call_with_retry(
-            self.client.transaction, compare=[self._holds_controller(holder)], success=ops, failure=[]
-        )
+        self._apply([self._holds_controller(holder)], [self._tx.delete(self.keys.left(node)) for node in nodes])
 
     def end_job(self, holder: Holder, round_revision: int, status: JobStatus, event: MembershipEvent) -> bool:
         compare = [
@@ -422,43 +587,77 @@ class JobStore:
 
     def trim_events(self, keep: int) -> int:
         """Delete all but the newest `keep` events in etcd; returns how many went."""
-        count = self.client.get_prefix_response(self.keys.events, count_only=True).count
-        excess = count - keep
+        excess = self._count(self.keys.events, deadline_s=_HOUSEKEEPING_DEADLINE_S) - keep
         if excess <= 0:
             return 0
-        oldest = self.client.get_prefix_response(
-            self.keys.events, keys_only=True, limit=excess, sort_order="ascend", sort_target="key"
+        oldest = call_with_retry(
+            self.client.get_prefix_response,
+            self.keys.events,
+            keys_only=True,
+            limit=excess,
+            sort_order="ascend",
+            sort_target="key",
+            deadline_s=_HOUSEKEEPING_DEADLINE_S,
         )
         last = oldest.kvs[-1].key.decode()
-        self.client.transaction(
-            compare=[], success=[self._tx.delete(self.keys.events, range_end=last + "\0")], failure=[]
-        )
+        self._apply([], [self._tx.delete(self.keys.events, range_end=last + "\0")], _HOUSEKEEPING_DEADLINE_S)
         return excess
+
+    # -- the membership log ------------------------------------------------------------------------------------
+    def read_events(
+        self, after_revision: int = 0, deadline_s: float = _HOUSEKEEPING_DEADLINE_S
+    ) -> list[MembershipEvent]:
+        """The job's events with an etcd revision above `after_revision`, in log order; malformed ones left out."""
+        # events are never modified, so their mod revision is their create revision
+        response = call_with_retry(
+            self.client.get_prefix_response,
+            self.keys.events,
+            min_mod_revision=after_revision + 1,
+            deadline_s=deadline_s,
+        )
+        return _events_in({kv.key.decode(errors="replace"): Entry(kv.value, kv.mod_revision) for kv in response.kvs})
 
     # -- whole job -------------------------------------------------------------------------------------------
     def check_access(self) -> None:
         """Read and write under the job's prefix once, so that an etcd user without the rights fails now, in one
         line, not halfway through a rendezvous. Raises what the client raises."""
-        probe = f"{self.keys.prefix}access-check/{uuid.uuid4().hex}"
-        etcd_client.call_with_retry(self.client.get, self.keys.controller, deadline_s=5)
-        etcd_client.call_with_retry(self.client.put, probe, "", deadline_s=5)
-        etcd_client.call_with_retry(self.client.delete, probe, deadline_s=5)
+        probe = self.keys.new_access_check_key()
+        call_with_retry(self.client.get, self.keys.controller, deadline_s=_STEP_DEADLINE_S)
+        call_with_retry(self.client.put, probe, "", deadline_s=_STEP_DEADLINE_S)
+        call_with_retry(self.client.delete, probe, deadline_s=_STEP_DEADLINE_S)
 
     def read_status(self) -> JobStatus | None:
-        raw, _ = etcd_client.call_with_retry(self.client.get, self.keys.status)
+        raw, _ = call_with_retry(self.client.get, self.keys.status, deadline_s=_WRITE_DEADLINE_S)
         return JobStatus.loads(raw) if raw is not None else None
 
     def live_nodes(self) -> int:
-        return self.client.get_prefix_response(self.keys.nodes, count_only=True).count
+        return self._count(self.keys.nodes)
 
     def key_count(self) -> int:
-        return self.client.get_prefix_response(self.keys.prefix, count_only=True).count
+        return self._count(self.keys.prefix)
 
     def purge(self) -> int:
         """Delete every key of the job; returns how many there were."""
         count = self.key_count()
-        self.client.delete_prefix(self.keys.prefix)
+        call_with_retry(self.client.delete_prefix, self.keys.prefix, deadline_s=_WRITE_DEADLINE_S)
         return count
+
+
+def _events_in(entries: dict[str, Entry]) -> list[MembershipEvent]:
+    """The events among `entries` (their keys and values), in log order: by revision, then key (one transaction's
+    events share a revision). A value that is no event is named in a warning once and left out."""
+    found = []
+    for key, entry in sorted(entries.items(), key=lambda item: (item[1].mod_revision, item[0])):
+        try:
+            event = MembershipEvent.model_validate_json(entry.value)
+        except ValidationError as exc:
+            if (key, entry.mod_revision) not in _warned_events:  # a foreign or damaged value: never fatal
+                _warned_events.add((key, entry.mod_revision))
+                logger.warning("ignoring malformed membership event at %s (%s)", key, str(exc).splitlines()[0])
+            continue
+        event.revision = entry.mod_revision
+        found.append(event)
+    return found
 
 
 def _prefix_end(prefix: str) -> str:

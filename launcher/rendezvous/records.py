@@ -313,3 +313,55 @@ class JobStatus(Record):
     state: Literal["finished", "failed"]
     time: float = Field(default_factory=time.time)
     summary: str = ""
+
+
+EventName = Literal[
+    "node_joined",
+    "node_left",
+    "node_lost",
+    "round_started",
+    "worker_failed",
+    "worker_hung",
+    "workers_stalled",
+    "restart",
+    "job_finished",
+    "job_failed",
+    "node_quarantined",
+    "node_readmitted",
+    "drain_requested",
+    "drain_committed",
+    "drain_timed_out",
+    "controller_lost",
+]
+TERMINAL_EVENTS = {"job_finished", "job_failed"}
+
+
+class MembershipEvent(BaseModel):
+    """One entry of the job's membership log (`events/`): what happened to the job, and when."""
+
+    model_config = ConfigDict(extra="allow")
+
+    event: EventName
+    time: float
+    round: int | None = None
+    node: str | None = None
+    world_size: int | None = None
+    members: list[dict] | None = None
+    local_rank: int | None = None
+    rank: int | None = None
+    exit_code: int | None = None
+    restart_count: int | None = None
+    reason: str | None = None
+    message: str | None = None
+    # worker_hung, workers_stalled: how long it had been (they had all been) silent when the watchdog acted
+    seconds_silent: float | None = None
+    last_step: int | None = None  # worker_hung, workers_stalled: the last step reported
+    step: int | None = None  # drain_committed: the step the workers checkpointed before the change
+    revision: int | None = None  # etcd revision: the order of the log, filled in when read back
+
+    def dumps(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+def new_event(event: EventName, **fields) -> MembershipEvent:
+    return MembershipEvent(event=event, time=time.time(), **fields)
