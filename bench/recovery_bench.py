@@ -18,8 +18,9 @@ changes from minute to minute. Every figure printed is measured in this run.
     python bench/recovery_bench.py                   # elastic-run warm and cold, tuned torchrun; kill, stop, crash
     python bench/recovery_bench.py --launchers elastic-run --faults kill
     python bench/recovery_bench.py --launchers elastic-run,torchrun,torchrun-defaults --deadline 60
-    python bench/recovery_bench.py train [...]      # examples/train.py instead of the probe: six faults, the
-                                                    # steps redone (bench/training_recovery_bench.py)
+
+bench/training_recovery_bench.py runs examples/train.py instead of the probe (six faults, the steps redone) on
+this module's jobs and faults.
 """
 
 from __future__ import annotations
@@ -678,11 +679,6 @@ def terminate_like_ctrl_c(signum: int, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train"]:
-        from training_recovery_bench import main as training_main  # it imports this module: imported here
-
-        return training_main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     signal.signal(signal.SIGTERM, terminate_like_ctrl_c)
