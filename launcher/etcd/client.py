@@ -1,6 +1,6 @@
-"""The one place that imports the etcd v3 client, connects it, retries calls against it, and turns its errors
-into the launcher's own (`launcher.etcd.errors`): EtcdUnavailable and LeaseGone; other refusals (no rights, a bad
-request) stay gRPC errors, which `explain` words."""
+"""The one place that uses the etcd v3 client (pyetcd, over gRPC; its private parts behind `pyetcd_internals`):
+connects it, retries calls against it, and turns its errors into the launcher's own (`launcher.etcd.errors`):
+EtcdUnavailable and LeaseGone. Other refusals (no rights, a bad request) stay gRPC errors, which `explain` words."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ T = TypeVar("T")
 
 
 def translate(exc: grpc.RpcError) -> Exception:
-    """The launcher's error for `exc`: EtcdUnavailable, LeaseGone (etcd's only NOT_FOUND is a lease it no longer
-    has), or `exc` itself, a refusal."""
+    """The launcher's error for `exc`: EtcdUnavailable, LeaseGone, or `exc` itself, a refusal. etcd answers NOT_FOUND
+    for a lease it no longer has, and for an unknown cluster member, which the launcher never asks about."""
     code = exc.code() if hasattr(exc, "code") else None
     if code is None or code in _UNAVAILABLE_CODES:
         return EtcdUnavailable(f"{code.name if code else 'no status'}: {_detail(exc)}")
