@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.workers import network
-from launcher.workers.group import worker_env
+from launcher.workers.environment import worker_env
 from launcher.workers.network import gloo_interface_env, interface_holding
 
 REPO = Path(__file__).resolve().parents[1]

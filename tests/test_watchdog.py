@@ -3,6 +3,7 @@ by a WorkerGroup, and end to end with real agents on a real etcd."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -20,19 +21,19 @@ from launcher.etcd import client as etcd_client
 from launcher.rendezvous.membership_log import format_table, read_events
 from launcher.rendezvous.protocol import JobStore
 from launcher.rendezvous.records import MasterRecord, Member, NodeFailure, RoundRecord, WorkerFailure
-from launcher.workers.group import WorkerGroup, WorkerOutcome, worker_env
+from launcher.workers.environment import worker_env
+from launcher.workers.group import WorkerGroup, WorkerOutcome
 from launcher.workers.process_tree import child_pids
-from launcher.workers.watchdog import (
+from launcher.workers.stack_dumps import last_dump, main_thread_frame
+from launcher.workers.watchdog import Watchdog
+from launcher.workers.watchdog_rules import (
     STALL_MIN_S,
     Hang,
     Policy,
     Stall,
     StartupHistory,
-    Watchdog,
     WorkerWatch,
     allowance,
-    last_dump,
-    main_thread_frame,
     parse_timeout,
     stall_allowance,
     stall_of,
@@ -40,6 +41,12 @@ from launcher.workers.watchdog import (
 
 PATTERN = REPO / "tests" / "workers" / "heartbeat_pattern.py"
 AUTO = Policy(timeout=None, minimum=60.0, long_op=1800.0)
+WALL = 1.7e9  # the unix time of every verdict here
+
+
+def fixed(seconds: float, **changes) -> Policy:
+    """--watchdog-timeout SECONDS, the other settings as AUTO's unless `changes` says otherwise."""
+    return dataclasses.replace(AUTO, timeout=seconds, **changes)
 
 
 # -- the allowance rule ------------------------------------------------------------------------------------------
@@ -48,7 +55,7 @@ def test_auto_allows_the_larger_of_the_minimum_and_ten_times_the_slowest_interva
     assert allowance(AUTO, []) == 60.0  # one heartbeat so far: no interval yet
     assert allowance(AUTO, [0.1, 0.5, 0.2]) == 60.0
     assert allowance(AUTO, [0.5, 8.0, 1.0]) == 80.0
-    assert allowance(Policy(minimum=5.0), [0.2, 0.3]) == 5.0
+    assert allowance(dataclasses.replace(AUTO, minimum=5.0), [0.2, 0.3]) == 5.0
 
 
 @pytest.mark.timeout(10)
@@ -59,16 +66,15 @@ def test_auto_looks_at_the_last_100_intervals_only():
 
 @pytest.mark.timeout(10)
 def test_a_number_is_the_allowance_whatever_the_intervals():
-    fixed = Policy(timeout=3.0, minimum=60.0)
-    assert allowance(fixed, []) == 3.0
-    assert allowance(fixed, [0.5, 8.0]) == 3.0
+    assert allowance(fixed(3.0), []) == 3.0
+    assert allowance(fixed(3.0), [0.5, 8.0]) == 3.0
 
 
 @pytest.mark.timeout(10)
 def test_long_operations_get_their_own_allowance_never_less_than_the_normal_one():
     op = channel.LongOp("checkpoint load", None)
     assert allowance(AUTO, [0.1], op) == 1800.0  # --watchdog-long-op
-    assert allowance(Policy(timeout=3.0, long_op=20.0), [0.1], op) == 20.0
+    assert allowance(fixed(3.0, long_op=20.0), [0.1], op) == 20.0
     assert allowance(AUTO, [0.1], channel.LongOp("x", 7200.0)) == 7200.0  # its own timeout=
     assert allowance(AUTO, [0.1], channel.LongOp("x", 10.0)) == 60.0  # never shorter than without it
     assert allowance(AUTO, [9.0], channel.LongOp("x", 10.0)) == 90.0
@@ -160,63 +166,66 @@ def test_the_watchdog_finds_its_workers_stalled_once_they_stop_beating(tmp_path)
 def test_a_worker_that_never_heartbeats_is_never_watched():
     watch = WorkerWatch()
     watch.observe(0, now=0.0)
-    assert watch.verdict(Policy(timeout=1.0), snapshot(0, 0), now=1e6) is None
+    assert watch.verdict(fixed(1.0), snapshot(0, 0), now=1e6, wall=WALL) is None
     # a long operation alone (seq moves, no heartbeat) does not arm the watchdog either
-    assert watch.verdict(Policy(timeout=1.0), snapshot(2, 0), now=2e6) is None
-    assert watch.verdict(Policy(timeout=1.0), snapshot(2, 0), now=3e6) is None
+    assert watch.verdict(fixed(1.0), snapshot(2, 0), now=2e6, wall=WALL) is None
+    assert watch.verdict(fixed(1.0), snapshot(2, 0), now=3e6, wall=WALL) is None
 
 
 @pytest.mark.timeout(10)
 def test_once_a_node_saw_heartbeats_a_new_worker_gets_the_start_up_allowance():
     history = StartupHistory()
-    assert history.policy(Policy(timeout=3.0)).startup is None, "no start-up seen: not watched before a heartbeat"
+    assert history.policy(fixed(3.0)).startup is None, "no start-up seen: not watched before a heartbeat"
     assert history.policy(None) is None, "the watchdog stays off"
     history.record(4.0)
     history.record(2.0)
-    assert history.policy(Policy(timeout=3.0)).startup == 20.0  # 5 x the longest start-up
+    assert history.policy(fixed(3.0)).startup == 20.0  # 5 x the longest start-up
     assert history.policy(AUTO).startup == 60.0  # never below the least normal allowance
     history.record(20.0)
     assert history.policy(AUTO).startup == 100.0
-    policy = history.policy(Policy(timeout=3.0, long_op=600.0))
+    policy = history.policy(fixed(3.0, long_op=600.0))
     watch = WorkerWatch()
     watch.observe(0, now=0.0)
-    assert watch.verdict(policy, snapshot(0, 0), now=100.0) is None
-    hang = watch.verdict(policy, snapshot(0, 0), now=100.5)
+    assert watch.verdict(policy, snapshot(0, 0), now=100.0, wall=WALL) is None
+    hang = watch.verdict(policy, snapshot(0, 0), now=100.5, wall=WALL)
     assert hang.starting and hang.allowance == 100.0 and "none yet in this round" in hang.describe()
     watch = WorkerWatch()
     watch.observe(0, now=0.0)
     loading = channel.LongOp("checkpoint load", None)
-    assert watch.verdict(policy, snapshot(1, 0, long_op=loading), now=100.0) is None  # its own allowance: 600 s
-    assert watch.verdict(policy, snapshot(1, 0, long_op=loading), now=701.0).allowance == 600.0
+    assert (
+        watch.verdict(policy, snapshot(1, 0, long_op=loading), now=100.0, wall=WALL) is None
+    )  # its own allowance: 600 s
+    assert watch.verdict(policy, snapshot(1, 0, long_op=loading), now=701.0, wall=WALL).allowance == 600.0
 
 
 @pytest.mark.timeout(10)
 def test_silence_counts_from_the_last_change_the_agent_saw():
-    policy = Policy(timeout=3.0)
+    policy = fixed(3.0)
     watch = WorkerWatch()
     watch.observe(2, now=10.0)  # one heartbeat (seq 0 -> 2)
-    assert watch.verdict(policy, snapshot(2, 1, step=0), now=13.0) is None  # exactly the allowance: not yet
-    hang = watch.verdict(policy, snapshot(2, 1, step=0), now=13.5)
+    assert watch.verdict(policy, snapshot(2, 1, step=0), now=13.0, wall=WALL) is None  # exactly the allowance: not yet
+    hang = watch.verdict(policy, snapshot(2, 1, step=0), now=13.5, wall=WALL)
     assert hang is not None and hang.seconds_silent == 3.5 and hang.allowance == 3.0 and hang.last_step == 0
+    assert hang.at == WALL and hang.silent_since == WALL - 3.5
     watch = WorkerWatch()
     watch.observe(2, now=10.0)
     watch.observe(4, now=12.0)  # another heartbeat
-    assert watch.verdict(policy, snapshot(4, 2, [2.0], step=1), now=14.9) is None
+    assert watch.verdict(policy, snapshot(4, 2, [2.0], step=1), now=14.9, wall=WALL) is None
     watch.observe(4, now=20.0)  # no change
-    hang = watch.verdict(policy, snapshot(4, 2, [2.0], step=1), now=20.0)
+    hang = watch.verdict(policy, snapshot(4, 2, [2.0], step=1), now=20.0, wall=WALL)
     assert hang.seconds_silent == 8.0 and hang.last_step == 1
     assert "after step 1" in hang.describe() and "allowance 3s" in hang.describe()
 
 
 @pytest.mark.timeout(10)
 def test_a_long_operation_is_judged_by_its_own_allowance_and_its_begin_is_a_sign_of_life():
-    policy = Policy(timeout=3.0, long_op=600.0)
+    policy = fixed(3.0, long_op=600.0)
     watch = WorkerWatch()
     watch.observe(2, now=0.0)
     op = channel.LongOp("checkpoint load", None)
-    assert watch.verdict(policy, snapshot(3, 1, long_op=op), now=500.0) is None  # begin seen at 500
-    assert watch.verdict(policy, snapshot(3, 1, long_op=op), now=1099.0) is None
-    hang = watch.verdict(policy, snapshot(3, 1, long_op=op), now=1101.0)
+    assert watch.verdict(policy, snapshot(3, 1, long_op=op), now=500.0, wall=WALL) is None  # begin seen at 500
+    assert watch.verdict(policy, snapshot(3, 1, long_op=op), now=1099.0, wall=WALL) is None
+    hang = watch.verdict(policy, snapshot(3, 1, long_op=op), now=1101.0, wall=WALL)
     assert hang.allowance == 600.0 and hang.long_op == "checkpoint load" and hang.seconds_silent == 601.0
 
 

@@ -27,7 +27,7 @@ from launcher.config import (
     parse_std_spec,
 )
 from launcher.etcd import client as etcd_client
-from launcher.workers.watchdog import parse_timeout
+from launcher.workers.watchdog_rules import parse_timeout
 
 logger = logging.getLogger("elastic-run")
 

@@ -49,7 +49,8 @@ from launcher.rendezvous.records import (
     NodeFailure,
     RoundHeader,
 )
-from launcher.workers.group import WorkerGroup, node_worker_env
+from launcher.workers.environment import node_worker_env
+from launcher.workers.group import WorkerGroup
 from launcher.workers.warm_pool import JOIN_WAIT_S, WarmPool
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from launcher.rendezvous.protocol import JobStore
 from launcher.rendezvous.records import DrainReport, DrainRequest, MasterRecord, Member, NodeFailure, RoundHeader
 from launcher.workers.group import WorkerOutcome
 from launcher.workers.warm_pool import WarmPool
-from launcher.workers.watchdog import Stall, StartupHistory
+from launcher.workers.watchdog_rules import Stall, StartupHistory
 
 logger = logging.getLogger(__name__)
 

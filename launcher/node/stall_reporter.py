@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from launcher.rendezvous.protocol import JobStore
 from launcher.rendezvous.records import StallReport
-from launcher.workers.watchdog import Stall
+from launcher.workers.watchdog_rules import Stall
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One node's workers for one round: their environment (torchrun's contract), logs, exit codes and teardown."""
+"""One node's workers for one round: started (cold or warm), polled for their outcome and failures, stopped."""
 
 from __future__ import annotations
 
@@ -9,72 +9,23 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
-from elastic.channel import HEARTBEAT_ENV
-from elastic.node_memory import MEMORY_DIR_ENV, node_memory_dir
-from launcher.config import LaunchConfig, Std
+from launcher.config import LaunchConfig
 from launcher.rendezvous.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
 from launcher.workers import failure_evidence
-from launcher.workers.network import gloo_interface_env
+from launcher.workers.environment import ERROR_FILE, HEARTBEAT_FILE, node_worker_env, worker_env
+from launcher.workers.output import STREAMS, StreamRoute, WorkerOutput
 from launcher.workers.process_tree import stop_group, supervised_command
+from launcher.workers.stack_dumps import read_dump
 from launcher.workers.warm_pool import WarmPool, WarmWorker
-from launcher.workers.watchdog import HEARTBEAT_FILE, Policy, Stall, StartupHistory, Watchdog, read_dump
+from launcher.workers.watchdog import Watchdog
+from launcher.workers.watchdog_rules import Policy, Stall, StartupHistory
 
 logger = logging.getLogger(__name__)
 
-ERROR_FILE = "error.json"  # TORCHELASTIC_ERROR_FILE, in the worker's attempt folder
 UNCAUGHT_EXCEPTION_EXIT = 1  # what Python exits with after an uncaught exception
-
-
-def node_worker_env(addr: str, nproc: int) -> dict[str, str]:
-    """The part of a worker's environment that stays the same from round to round on this node."""
-    env = dict(os.environ)
-    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = "1"
-    # gloo would otherwise bind where the hostname resolves, often 127.0.x.1, which peers on other hosts cannot reach
-    env.update(gloo_interface_env(addr, os.environ))
-    return env
-
-
-def worker_env(
-    config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord, local_rank: int, error_file: Path
-) -> dict[str, str]:
-    """The variables torchrun sets for a worker, plus ELASTIC_ROUND, ELASTIC_HEARTBEAT_FILE and ELASTIC_MEMORY_DIR."""
-    rank = member.first_rank + local_rank
-    env = node_worker_env(member.addr, member.nproc)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(local_rank),
-        GROUP_RANK=str(member.group_rank),
-        ROLE_RANK=str(rank),
-        ROLE_NAME=config.role,
-        LOCAL_WORLD_SIZE=str(member.nproc),
-        WORLD_SIZE=str(round_.world_size),
-        GROUP_WORLD_SIZE=str(round_.size),
-        ROLE_WORLD_SIZE=str(round_.world_size),
-        MASTER_ADDR=master.addr,
-        MASTER_PORT=str(master.port),
-        TORCHELASTIC_RESTART_COUNT=str(round_.restart_count),
-        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
-        TORCHELASTIC_RUN_ID=config.rdzv_id,
-        # rank 0 serves a fresh store on the round's own port: no key of an earlier round can be read back
-        TORCHELASTIC_USE_AGENT_STORE="False",
-        TORCHELASTIC_ERROR_FILE=str(error_file),
-        # as torchrun: the user's value wins; by default a failed NCCL collective tears its process down
-        TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        ELASTIC_ROUND=str(round_.round),
-    )
-    # the worker's channel to its agent (heartbeats for the watchdog, drains): a file next to the error file,
-    # created by WorkerGroup; never the channel of an outer elastic-run
-    env[HEARTBEAT_ENV] = str(error_file.parent / HEARTBEAT_FILE)
-    # where CheckpointManager(memory_every=...) keeps snapshots; the agent holds the folder for the job's life
-    env[MEMORY_DIR_ENV] = str(node_memory_dir(config.rdzv_id, member.node))
-    return env
 
 
 def _exit_code(process: subprocess.Popen) -> int:
@@ -94,59 +45,6 @@ def read_error_file(path: Path) -> tuple[str, str, float | None]:
         return message, "", written
     extra = message.get("extraInfo", {})
     return str(message.get("message", "")), str(extra.get("py_callstack", "")), written
-
-
-class LineDuplicator:
-    """torchrun's --duplicate-std{out,err}-filters: every line of any local worker's stream that contains one of
-    `filters` is copied into one file of the attempt (`filtered_stdout.log`, `filtered_stderr.log`)."""
-
-    def __init__(self, path: Path, filters: list[str]) -> None:
-        self.path = path
-        self.filters = [f.encode() for f in filters if f]
-        self._lock = threading.Lock()
-        self._file: IO[bytes] | None = None
-
-    def offer(self, line: bytes) -> None:
-        if not any(f in line for f in self.filters):
-            return
-        with self._lock:
-            if self._file is None:
-                self._file = open(self.path, "ab")
-            self._file.write(line)
-            self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-
-
-@dataclass
-class StreamRoute:
-    """Where one worker stream goes: the Popen argument, its log file, the console (and the line prefix there), and
-    the duplicator of filtered lines; the agent pumps it line by line when the argument is a pipe."""
-
-    target: IO[bytes] | int | None  # a log file, subprocess.PIPE, or None: the agent's own stream
-    log_file: IO[bytes] | None = None
-    console: IO[str] | None = None
-    prefix: str = ""
-    duplicator: LineDuplicator | None = None
-
-
-def _pump(source: IO[bytes], route: StreamRoute) -> None:
-    """Copy a worker's stream line by line into its log file, onto the agent's console, and its filtered lines."""
-    with source:
-        for line in iter(source.readline, b""):
-            if route.log_file is not None:
-                route.log_file.write(line)
-                route.log_file.flush()
-            if route.console is not None:
-                route.console.write(route.prefix + line.decode(errors="replace"))
-                route.console.flush()
-            if route.duplicator is not None:
-                route.duplicator.offer(line)
-    if route.log_file is not None:
-        route.log_file.close()
 
 
 class WorkerOutcome(enum.Enum):
@@ -177,20 +75,12 @@ class WorkerGroup:
         assert config.log_dir is not None, "elastic-run picks the log dir before workers start"
         self.attempt_dir = config.log_dir / config.node_id / f"attempt_{round_.round}"
         self.processes: list[subprocess.Popen] = []
-        self._pumps: list[threading.Thread] = []
+        self.output = WorkerOutput(config, self.attempt_dir, member.first_rank)
         self._exited_at: dict[int, float] = {}
         # workers that wrote their error file (torch's @record: an uncaught exception) but have not exited yet:
         # their interpreter's teardown takes 0.4-0.8 s with torch loaded, and a peer waiting on them fails only
         # once they exit, so waiting for every exit would chain those delays across the job
         self._raised: set[int] = set()
-        self._duplicators = {
-            name: LineDuplicator(self.attempt_dir / f"filtered_{name}.log", filters)
-            for name, filters in (
-                ("stdout", config.duplicate_stdout_filters),
-                ("stderr", config.duplicate_stderr_filters),
-            )
-            if any(filters)
-        }
         # heartbeat channels exist before the workers start (or, with the watchdog off, stale ones are gone)
         self.watchdog = Watchdog(
             Policy.from_config(config),
@@ -207,7 +97,7 @@ class WorkerGroup:
             error_file = directory / ERROR_FILE
             error_file.unlink(missing_ok=True)
             env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
-            routes = {name: self._route(directory, local_rank, name) for name in ("stdout", "stderr")}
+            routes = {name: self.output.route(directory, local_rank, name) for name in STREAMS}
             warm = self.warm.take(local_rank, node_env) if self.warm is not None else None
             importing = warm is not None and warm.still_importing()
             if warm is not None and self._launch_warm(warm, env, routes):
@@ -243,7 +133,7 @@ class WorkerGroup:
         )
         for name, route in routes.items():
             if route.target is subprocess.PIPE:
-                self._pump(getattr(process, name), route)
+                self.output.pump(getattr(process, name), route)
         return process
 
     def _launch_warm(self, warm: WarmWorker, env: dict[str, str], routes: dict[str, StreamRoute]) -> bool:
@@ -264,32 +154,10 @@ class WorkerGroup:
         for read_end, write_end, route in pumped:
             os.close(write_end)  # the worker holds its own copy
             if launched:
-                self._pump(os.fdopen(read_end, "rb"), route)
+                self.output.pump(os.fdopen(read_end, "rb"), route)
             else:
                 os.close(read_end)
         return launched
-
-    def _pump(self, source: IO[bytes], route: StreamRoute) -> None:
-        pump = threading.Thread(target=_pump, args=(source, route), daemon=True)
-        pump.start()
-        self._pumps.append(pump)
-
-    def _route(self, directory: Path, local_rank: int, name: str) -> StreamRoute:
-        """Where one stream goes under --redirects, --tee and --duplicate-std{out,err}-filters."""
-        includes = Std.includes_out if name == "stdout" else Std.includes_err
-        tee = includes(self.config.std_for(self.config.tee, local_rank))
-        redirect = tee or includes(self.config.std_for(self.config.redirects, local_rank))
-        duplicator = self._duplicators.get(name)
-        log_file = open(directory / f"{name}.log", "ab") if redirect else None
-        if not tee and duplicator is None:
-            return StreamRoute(target=log_file, log_file=log_file)
-        console = sys.stdout if name == "stdout" else sys.stderr
-        if tee:
-            shown = self.config.local_ranks_filter is None or local_rank in self.config.local_ranks_filter
-            prefix = f"[{self.config.role}{self.member.first_rank + local_rank}]:"
-            return StreamRoute(subprocess.PIPE, log_file, console if shown else None, prefix, duplicator)
-        # only duplicated: the stream reaches its log file or the console as it would without the filters
-        return StreamRoute(subprocess.PIPE, log_file, None if redirect else console, "", duplicator)
 
     def poll(self) -> tuple[WorkerOutcome, list[WorkerFailure]]:
         """The group's outcome so far, and its failures earliest first; dumps and kills hung workers on the way."""
@@ -332,7 +200,7 @@ class WorkerGroup:
         return DrainReport(number=number, step=max((s.step for s in draining if s.step is not None), default=None))
 
     def stall(self) -> Stall | None:
-        """Every worker silent for several of its step intervals, as of the last poll (launcher.workers.watchdog)."""
+        """Every worker silent for several of its step intervals, as of the last poll (watchdog_rules.stall_of)."""
         return self.watchdog.stall
 
     def reporting_hang(self) -> bool:
@@ -388,7 +256,4 @@ class WorkerGroup:
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop every worker and its descendants: `signum`, then SIGKILL after the grace period."""
         stop_group(self.processes, self.config.worker_stop_timeout, signum)
-        for pump in self._pumps:
-            pump.join(timeout=2)
-        for duplicator in self._duplicators.values():
-            duplicator.close()
+        self.output.close()

@@ -1,0 +1,62 @@
+"""A worker's environment: torchrun's contract (ranks, sizes, master, restart count) and the files the agent
+shares with the worker in its attempt folder (the error file, the heartbeat channel)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from elastic.channel import HEARTBEAT_ENV
+from elastic.node_memory import MEMORY_DIR_ENV, node_memory_dir
+from launcher.config import LaunchConfig
+from launcher.rendezvous.records import MasterRecord, Member, RoundHeader
+from launcher.workers.network import gloo_interface_env
+
+ERROR_FILE = "error.json"  # TORCHELASTIC_ERROR_FILE, in the worker's attempt folder
+HEARTBEAT_FILE = "heartbeat"  # the worker's channel (elastic.channel), next to its error file
+
+
+def node_worker_env(addr: str, nproc: int) -> dict[str, str]:
+    """The part of a worker's environment that stays the same from round to round on this node."""
+    env = dict(os.environ)
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    # gloo would otherwise bind where the hostname resolves, often 127.0.x.1, which peers on other hosts cannot reach
+    env.update(gloo_interface_env(addr, os.environ))
+    return env
+
+
+def worker_env(
+    config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord, local_rank: int, error_file: Path
+) -> dict[str, str]:
+    """The variables torchrun sets for a worker, plus ELASTIC_ROUND, ELASTIC_HEARTBEAT_FILE and ELASTIC_MEMORY_DIR."""
+    rank = member.first_rank + local_rank
+    env = node_worker_env(member.addr, member.nproc)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        GROUP_RANK=str(member.group_rank),
+        ROLE_RANK=str(rank),
+        ROLE_NAME=config.role,
+        LOCAL_WORLD_SIZE=str(member.nproc),
+        WORLD_SIZE=str(round_.world_size),
+        GROUP_WORLD_SIZE=str(round_.size),
+        ROLE_WORLD_SIZE=str(round_.world_size),
+        MASTER_ADDR=master.addr,
+        MASTER_PORT=str(master.port),
+        TORCHELASTIC_RESTART_COUNT=str(round_.restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RUN_ID=config.rdzv_id,
+        # rank 0 serves a fresh store on the round's own port: no key of an earlier round can be read back
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCHELASTIC_ERROR_FILE=str(error_file),
+        # as torchrun: the user's value wins; by default a failed NCCL collective tears its process down
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        ELASTIC_ROUND=str(round_.round),
+    )
+    # the worker's channel to its agent (heartbeats for the watchdog, drains): a file next to the error file,
+    # created by WorkerGroup; never the channel of an outer elastic-run
+    env[HEARTBEAT_ENV] = str(error_file.parent / HEARTBEAT_FILE)
+    # where CheckpointManager(memory_every=...) keeps snapshots; the agent holds the folder for the job's life
+    env[MEMORY_DIR_ENV] = str(node_memory_dir(config.rdzv_id, member.node))
+    return env

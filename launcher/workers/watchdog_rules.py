@@ -1,0 +1,249 @@
+"""PURE: when a worker is hung or a node's workers are stalled; no process, file or clock is touched here.
+
+Workers call `elastic.heartbeat(step)` once per step (`elastic.channel`); `launcher.workers.watchdog` reads what
+they wrote and asks these rules, passing its own clock's readings:
+- a worker that never sent a heartbeat is never watched, with one exception: once this node's workers have
+  heartbeated in an earlier round, a new round's worker that has not heartbeated yet is allowed the start-up
+  allowance (`StartupHistory`): the larger of the normal allowance and `STARTUP_FACTOR` x the longest start-up
+  (spawn to first heartbeat) seen on this node. A worker stuck in `init_process_group` (a peer it cannot connect
+  to) is caught so; a start-up that loads a checkpoint for long belongs inside `long_operation`;
+- silence is measured from the last sign of life the agent saw: a heartbeat, or a long operation's begin or end;
+- the normal allowance is `--watchdog-timeout` seconds when it is a number; with `auto` it is the larger of
+  `--watchdog-min` and `AUTO_FACTOR` x the slowest interval between heartbeats over the last `AUTO_WINDOW` steps
+  (less the time spent inside long operations: a checkpoint save every 50 steps does not inflate it);
+- during a `long_operation` the allowance is the larger of the normal one and the operation's own `timeout=`
+  (by default `--watchdog-long-op`; `math.inf`: unlimited).
+
+Stalls, a hint for the controller rather than a verdict: when every worker of the node heartbeated at least
+`STALL_MIN_INTERVALS` + 1 times in this round, none is inside a long operation, and each has been silent for more
+than `STALL_FACTOR` x a slow recent step interval (the `STALL_QUANTILE` of the window; at least `STALL_MIN_S`),
+the node is stalled (`stall_of`). In a synchronous job that is how a stopped or frozen peer shows: its peers block
+in their next collective and nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the
+controller probes the members that are not stalled; a stall costs a probe, never a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from elastic import channel
+from launcher.config import LaunchConfig
+from launcher.workers.stack_dumps import main_thread_frame
+
+AUTO_FACTOR = 10.0
+AUTO_WINDOW = channel.WINDOW
+STARTUP_FACTOR = 5.0
+# a stall is reported early (it costs the controller a probe of the members that are not stalled) but not on
+# the jitter of a healthy job: a few times a slow step of the window, and never below half a second. Slow, not
+# the slowest: one step slowed by a loaded host would hold the allowance above the lease for 100 steps; a slow
+# step that comes every few steps (an evaluation) is above the quantile and is allowed for
+STALL_FACTOR = 3.0
+STALL_QUANTILE = 0.9
+STALL_MIN_S = 0.5
+STALL_MIN_INTERVALS = 2
+
+
+def parse_timeout(spec: str | float) -> float | Literal["auto", "off"]:
+    """`--watchdog-timeout SECONDS|auto|off`."""
+    text = str(spec).strip().lower()
+    if text in ("auto", "off"):
+        return text  # type: ignore[return-value]
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"bad --watchdog-timeout {spec!r}: expected seconds, auto or off") from None
+    if not seconds > 0 or math.isinf(seconds):
+        raise ValueError(f"bad --watchdog-timeout {spec!r}: seconds must be positive (or pass off)")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the watchdog allows, from the launch configuration (`from_config`); `timeout` None means auto;
+    `startup` None: a worker is not watched before its first heartbeat."""
+
+    timeout: float | None
+    minimum: float
+    long_op: float
+    factor: float = AUTO_FACTOR
+    window: int = AUTO_WINDOW
+    startup: float | None = None
+
+    @property
+    def floor(self) -> float:
+        """The least allowance any worker can have: below it, no silence needs a closer look."""
+        return self.timeout if self.timeout is not None else self.minimum
+
+    @classmethod
+    def from_config(cls, config: LaunchConfig) -> Policy | None:
+        """None when the watchdog is off."""
+        timeout = config.watchdog_timeout
+        if timeout == "off":
+            return None
+        return cls(
+            timeout=None if timeout == "auto" else float(timeout),
+            minimum=config.watchdog_min,
+            long_op=config.watchdog_long_op,
+        )
+
+
+class StartupHistory:
+    """How long this node's workers took from spawn to their first heartbeat, over the agent's rounds."""
+
+    def __init__(self) -> None:
+        self.longest: float | None = None
+
+    def record(self, seconds: float) -> None:
+        self.longest = seconds if self.longest is None else max(self.longest, seconds)
+
+    def policy(self, policy: Policy | None) -> Policy | None:
+        """`policy` with its start-up allowance, once a start-up was seen (the script heartbeats)."""
+        if policy is None or self.longest is None:
+            return policy
+        return dataclasses.replace(policy, startup=max(policy.floor, STARTUP_FACTOR * self.longest))
+
+
+def allowance(policy: Policy, intervals: Sequence[float], long_op: channel.LongOp | None = None) -> float:
+    """Seconds of silence allowed to a worker that heartbeats, given its recent step intervals (oldest first)."""
+    if policy.timeout is not None:
+        normal = policy.timeout
+    else:
+        recent = intervals[-policy.window :] if policy.window else ()
+        normal = max(policy.minimum, policy.factor * max(recent, default=0.0))
+    if long_op is None:
+        return normal
+    own = long_op.timeout if long_op.timeout is not None else policy.long_op
+    return max(normal, own)
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Every worker of the node silent past its stall allowance."""
+
+    seconds_silent: float  # the shortest silence among them: how long the node has been stalled at least
+    last_step: int | None
+
+
+def stall_allowance(intervals: Sequence[float]) -> float | None:
+    """Seconds of silence after which a worker with these recent step intervals counts as stalled; None while
+    too few steps were seen to know its pace."""
+    recent = sorted(intervals[-AUTO_WINDOW:])
+    if len(recent) < STALL_MIN_INTERVALS:
+        return None
+    slow = recent[math.ceil(STALL_QUANTILE * len(recent)) - 1]  # nearest rank
+    return max(STALL_MIN_S, STALL_FACTOR * slow)
+
+
+def stall_of(workers: Sequence[tuple[float, channel.Snapshot | None]]) -> Stall | None:
+    """A Stall when every one of a node's workers, given as (seconds silent, its channel as last read, None if
+    unread since its last sign of life), is silent past its stall allowance outside any long operation."""
+    if not workers:
+        return None
+    for silent, snapshot in workers:
+        if snapshot is None or snapshot.long_op is not None:
+            return None
+        allowed = stall_allowance(snapshot.intervals)
+        if allowed is None or silent <= allowed:
+            return None
+    steps = [snapshot.last_step for _, snapshot in workers if snapshot is not None and snapshot.last_step is not None]
+    return Stall(seconds_silent=min(silent for silent, _ in workers), last_step=max(steps, default=None))
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A worker found silent past its allowance, at unix time `at`."""
+
+    seconds_silent: float
+    allowance: float
+    last_step: int | None
+    at: float
+    long_op: str | None = None
+    starting: bool = False  # no heartbeat yet in this round: held to the start-up allowance
+    stalled_peers: tuple[str, ...] = ()  # peers its stalled TCP connections lead to (launcher.workers.failure_evidence)
+
+    @property
+    def silent_since(self) -> float:
+        """Unix time of its last sign of life: when the hang began."""
+        return self.at - self.seconds_silent
+
+    def summary(self) -> str:
+        if self.starting:
+            step = "since it started, none yet in this round"
+        else:
+            step = f"after step {self.last_step}" if self.last_step is not None else "(no step given)"
+        inside = f" inside long operation {self.long_op!r}" if self.long_op else ""
+        kind = "start-up allowance" if self.starting else "allowance"
+        stalled = f"; stalled connections to {', '.join(self.stalled_peers)}" if self.stalled_peers else ""
+        return f"no heartbeat for {self.seconds_silent:.1f}s {step}{inside} ({kind} {self.allowance:g}s){stalled}"
+
+    def describe(self, dump: str = "") -> str:
+        """The failure message: what the membership log and the job's failure summary show; its stack `dump`
+        (from its stderr log, when redirected) adds where its main thread was."""
+        frame = main_thread_frame(dump)
+        inside = f" in {frame.function} ({os.path.basename(frame.file)}:{frame.line})" if frame else ""
+        return f"hung{inside}: {self.summary()}; stacks dumped to its stderr, process group killed"
+
+    def waited_on_peer(self, dump: str = "") -> bool:
+        """Whether its main thread sat in a torch.distributed call (a collective, process-group set-up)."""
+        frame = main_thread_frame(dump)
+        return frame is not None and frame.in_collective
+
+    def failed_at(self, dump: str = "") -> float:
+        """When it failed, for the root cause (the earliest failure): when it fell silent, unless it waited on a
+        peer: then it failed when found hung."""
+        return self.at if self.waited_on_peer(dump) else self.silent_since
+
+
+@dataclass
+class WorkerWatch:
+    """What the agent has seen of one worker's channel, on its own clock (no cross-process time is compared).
+
+    Every poll looks at `seq` only (it changes on every heartbeat and long-operation begin or end); the whole
+    snapshot is read once per silence, when it exceeds the least allowance or stall allowance there can be.
+    """
+
+    seq: int | None = None
+    active_at: float | None = None  # agent monotonic time at which `seq` was last seen to change
+    snapshot: channel.Snapshot | None = None  # the last one read (the pid and dump signal to use)
+
+    def observe(self, seq: int | None, now: float) -> None:
+        if seq is not None and seq != self.seq:
+            self.seq, self.active_at = seq, now
+
+    def silent_for(self, now: float) -> float:
+        return 0.0 if self.active_at is None else now - self.active_at
+
+    def current(self) -> channel.Snapshot | None:
+        """The snapshot read since the last change of `seq` (None: none read since)."""
+        return self.snapshot if self.snapshot is not None and self.snapshot.seq == self.seq else None
+
+    def verdict(self, policy: Policy, snapshot: channel.Snapshot | None, now: float, wall: float) -> Hang | None:
+        """A Hang when the worker heartbeated before and has been silent longer than its allowance; `now` is the
+        agent's monotonic clock, `wall` the unix time of the same moment."""
+        if snapshot is None:
+            return None
+        self.observe(snapshot.seq, now)
+        self.snapshot = snapshot
+        starting = snapshot.beats == 0
+        if starting and policy.startup is None:
+            return None  # a script that never calls heartbeat is never watched
+        if starting and policy.startup is not None:
+            allowed = max(policy.startup, allowance(policy, (), snapshot.long_op))
+        else:
+            allowed = allowance(policy, snapshot.intervals, snapshot.long_op)
+        silent = self.silent_for(now)
+        if silent <= allowed:
+            return None
+        return Hang(
+            seconds_silent=silent,
+            allowance=allowed,
+            last_step=snapshot.last_step,
+            at=wall,
+            long_op=snapshot.long_op.name if snapshot.long_op else None,
+            starting=starting,
+        )
