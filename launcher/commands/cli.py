@@ -11,6 +11,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -54,6 +55,11 @@ def _env_default(dest: str, default):
     return os.environ.get(f"PET_{dest.upper()}", default)
 
 
+def _default(field: str) -> Any:
+    """LaunchConfig's default of `field`: a flag's default is defined there, once."""
+    return LaunchConfig.model_fields[field].get_default()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="elastic-run",
@@ -74,10 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["default"] = _env_default(dest, default)
         parser.add_argument(*spellings, dest=dest, **kwargs)
 
-    add("--nnodes", dest="nnodes", default="1:1", help="N or MIN:MAX nodes (default 1:1)")
+    add("--nnodes", dest="nnodes", default="1:1", help="N or MIN:MAX nodes (default %(default)s)")
     add("--nproc-per-node", dest="nproc_per_node", default="1", help="workers per node: int, cpu, gpu or auto")
     add("--rdzv-backend", dest="rdzv_backend", default="etcd", help="etcd (v3 API; also spelled etcd-v3)")
-    add("--rdzv-endpoint", dest="rdzv_endpoint", default="", help="etcd host:port, or a comma-separated list")
+    add(
+        "--rdzv-endpoint",
+        dest="rdzv_endpoint",
+        default=_default("rdzv_endpoint"),
+        help="etcd host:port, or a comma-separated list",
+    )
     add("--rdzv-id", dest="rdzv_id", default=None, help="job id: every agent of one job passes the same")
     add(
         "--rdzv-conf",
@@ -88,8 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
         "probe_timeout; for a secured etcd: cacert, cert, key, user (password from ELASTIC_ETCD_PASSWORD)",
     )
     add("--standalone", dest="standalone", action="store_true", help="run a private etcd on free loopback ports")
-    add("--max-restarts", dest="max_restarts", default="0", help="worker failures tolerated, job-wide (default 0)")
-    add("--monitor-interval", dest="monitor_interval", default="0.1", help="seconds between worker checks")
+    add(
+        "--max-restarts",
+        dest="max_restarts",
+        default=_default("max_restarts"),
+        help="worker failures tolerated, job-wide (default %(default)s)",
+    )
+    add(
+        "--monitor-interval",
+        dest="monitor_interval",
+        default=_default("monitor_interval"),
+        help="seconds between worker checks",
+    )
     add(
         "--start-method",
         dest="start_method",
@@ -97,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["spawn", "fork", "forkserver"],
         help="accepted for torchrun compatibility; scripts always start as new processes",
     )
-    add("--role", dest="role", default="default", help="worker role name (ROLE_NAME)")
+    add("--role", dest="role", default=_default("role"), help="worker role name (ROLE_NAME)")
     add("-m", "--module", dest="module", action="store_true", help="run the script as a Python module")
     add("--no-python", dest="no_python", action="store_true", help="run the script as an executable")
     add(
@@ -107,15 +128,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="start every worker as a new interpreter; by default each local rank's next worker waits pre-started "
         "with torch imported, which saves seconds at every restart (never with -m or --no-python)",
     )
-    add("--log-dir", dest="log_dir", default=None, help="worker logs and membership.jsonl (default: a temp dir)")
-    add("-r", "--redirects", dest="redirects", default="0", help="worker streams to files: 0-3 or local_rank:v,...")
-    add("-t", "--tee", dest="tee", default="0", help="worker streams to files and console: 0-3 or local_rank:v,...")
+    add(
+        "--log-dir",
+        dest="log_dir",
+        default=_default("log_dir"),
+        help="worker logs and membership.jsonl (default: a temp dir)",
+    )
+    values = "0-3 or local_rank:v,... (default %(default)s)"
+    add(
+        "-r",
+        "--redirects",
+        dest="redirects",
+        default=str(_default("redirects")),
+        help=f"worker streams to files: {values}",
+    )
+    add("-t", "--tee", dest="tee", default=str(_default("tee")), help=f"worker streams to files and console: {values}")
     add("--local-ranks-filter", dest="local_ranks_filter", default="", help="local ranks whose tee'd output shows")
-    add("--local-addr", dest="local_addr", default=None, help="address other nodes reach this node at")
+    add(
+        "--local-addr", dest="local_addr", default=_default("local_addr"), help="address other nodes reach this node at"
+    )
     add(
         "--signals-to-handle",
         dest="signals_to_handle",
-        default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        default=",".join(signal.Signals(number).name for number in _default("signals_to_handle")),
         help="signals forwarded to workers before the agent leaves",
     )
     add("--node-id", dest="node_id", default=None, help="this agent's name in the job (default: hostname_pid)")
@@ -123,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout",
         "--worker-stop-timeout",
         dest="shutdown_timeout",
-        default=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"),
+        default=os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", _default("worker_stop_timeout")),
         help="seconds between SIGTERM and SIGKILL when stopping workers (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
-        "or 30)",
+        f"or {_default('worker_stop_timeout'):g})",
     )
     add(
         "--event-log-handler",
@@ -136,37 +171,42 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--duplicate-stdout-filters",
         dest="duplicate_stdout_filters",
-        default=[],
+        default=_default("duplicate_stdout_filters"),
         help="lines of the workers' stdout containing any of these comma-separated strings (,, escapes a comma) are "
         "also written to <log-dir>/<node>/attempt_<round>/filtered_stdout.log",
     )
     add(
         "--duplicate-stderr-filters",
         dest="duplicate_stderr_filters",
-        default=[],
+        default=_default("duplicate_stderr_filters"),
         help="the same for stderr, into filtered_stderr.log",
     )
     add(
         "--watchdog-timeout",
         dest="watchdog_timeout",
-        default="auto",
+        default=_default("watchdog_timeout"),
         help="a worker that called elastic.heartbeat and is then silent this long is hung: its stacks are dumped "
         "and it is killed, counted as a failure. SECONDS, auto (the larger of --watchdog-min and 10x its "
-        "slowest of the last 100 steps) or off (default auto)",
+        "slowest of the last 100 steps) or off (default %(default)s)",
     )
-    add("--watchdog-min", dest="watchdog_min", default="60", help="the least allowance under auto (default 60 s)")
+    add(
+        "--watchdog-min",
+        dest="watchdog_min",
+        default=_default("watchdog_min"),
+        help="the least allowance under auto (default %(default)s s)",
+    )
     add(
         "--watchdog-long-op",
         dest="watchdog_long_op",
-        default="1800",
-        help="allowance inside elastic.long_operation without its own timeout (default 1800 s)",
+        default=_default("watchdog_long_op"),
+        help="allowance inside elastic.long_operation without its own timeout (default %(default)s s)",
     )
     add(
         "--drain-timeout",
         dest="drain_timeout",
-        default="60",
+        default=_default("drain_timeout"),
         help="before a node joins or an agent told to stop leaves, the workers checkpoint at their next step and "
-        "wait, so nothing is redone; the change waits at most this long for it (default 60 s; 0: no "
+        "wait, so nothing is redone; the change waits at most this long for it (default %(default)s s; 0: no "
         "drain)",
     )
     for flag in UNSUPPORTED_FLAGS:
