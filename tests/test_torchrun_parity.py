@@ -13,12 +13,17 @@ from launcher.commands.cli import UNSUPPORTED_FLAGS, ConfigError, build_parser, 
 
 pytestmark = pytest.mark.timeout(30)
 
-# flags whose default differs on purpose, and why the meaning is still torchrun's
+# flags whose default differs on purpose: ours, exactly, and why the meaning is still torchrun's
 DIFFERENT_DEFAULTS = {
-    "rdzv_backend": "elastic-run rendezvous only in etcd; torchrun's static/c10d are refused in one line",
-    "rdzv_id": "unset means 'none' as in torchrun (a random id with --standalone, as torchrun's standalone does)",
-    "shutdown_timeout": "torchrun's None means TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30 s, which is our default",
+    "rdzv_backend": ("etcd", "elastic-run rendezvous only in etcd; torchrun's static/c10d are refused in one line"),
+    "rdzv_id": (
+        None,
+        "unset means 'none' as in torchrun (a random id with --standalone, as torchrun's standalone does)",
+    ),
+    "shutdown_timeout": (30.0, "torchrun's None means TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30 s, which is our default"),
 }
+# a job on an external etcd: its config holds no random id (--standalone's), so two parses compare equal
+ON_ETCD = ["--rdzv-endpoint", "127.0.0.1:2379", str(PROBE)]
 
 
 def torchrun_actions() -> list[argparse.Action]:
@@ -37,12 +42,18 @@ def test_every_torchrun_flag_is_known_to_elastic_run_by_every_spelling():
     assert not missing, f"torchrun flags elastic-run does not know: {missing}"
 
 
+def elastic_run_action(action: argparse.Action) -> argparse.Action:
+    """elastic-run's action for torchrun's `action`."""
+    return next(a for a in build_parser()._actions if action.option_strings[0] in a.option_strings)
+
+
 @pytest.mark.parametrize("action", torchrun_actions(), ids=lambda a: a.option_strings[-1])
 def test_a_torchrun_flag_keeps_its_default_or_is_refused_in_one_line(action):
-    mine = next(a for a in build_parser()._actions if action.option_strings[0] in a.option_strings)
+    mine = elastic_run_action(action)
+    if mine.dest in DIFFERENT_DEFAULTS:
+        return  # test_a_flag_with_a_default_of_its_own_has_exactly_the_one_the_table_gives
     if not mine.dest.startswith("unsupported_"):
-        same = str(mine.default) == str(action.default)
-        assert same or mine.dest in DIFFERENT_DEFAULTS, (mine.default, action.default)
+        assert str(mine.default) == str(action.default), (mine.default, action.default)
         return
     flag = mine.dest.removeprefix("unsupported_")
     value = [] if action.nargs == 0 or isinstance(action.const, bool) else ["1"]
@@ -51,6 +62,27 @@ def test_a_torchrun_flag_keeps_its_default_or_is_refused_in_one_line(action):
         config_from_args(args)
     message = str(refused.value)
     assert f"--{flag}" in message and UNSUPPORTED_FLAGS[flag] in message and "\n" not in message
+
+
+@pytest.mark.parametrize("dest", sorted(DIFFERENT_DEFAULTS))
+def test_a_flag_with_a_default_of_its_own_has_exactly_the_one_the_table_gives(dest):
+    expected, why = DIFFERENT_DEFAULTS[dest]
+    theirs = next(a for a in torchrun_actions() if a.dest == dest)
+    mine = elastic_run_action(theirs)
+    assert mine.dest == dest and set(theirs.option_strings) <= set(mine.option_strings)
+    assert (mine.default, type(mine.default)) == (expected, type(expected)), f"the table says {expected!r}: {why}"
+    assert str(mine.default) != str(theirs.default), "torchrun's default after all: drop the row"
+    default = config_from_args(build_parser().parse_args(ON_ETCD))  # the default parses
+    if expected is not None:  # and means what passing it does
+        given = [theirs.option_strings[0], str(expected)]
+        assert config_from_args(build_parser().parse_args([*given, *ON_ETCD])) == default
+
+
+def test_the_defaults_that_differ_mean_what_torchrun_means():
+    assert config_from_args(build_parser().parse_args(ON_ETCD)).rdzv_id == "none"
+    assert len(parse().rdzv_id) == 12, "--standalone: a random id"
+    with pytest.raises(ConfigError, match="--rdzv-backend static: elastic-run rendezvous only in etcd"):
+        parse("--rdzv-backend", "static")
 
 
 def parse(*flags: str):
