@@ -48,10 +48,11 @@ Layout (little-endian, `SIZE` bytes; the writer bumps `seq` to odd before a chan
 | 944    | drain_step   | i64       | that checkpoint's step                                                |
 | 952    | drainable    | u32       | 1 once a `CheckpointManager` that answers drains runs in this worker  |
 
-The channel also carries drains (`launcher.drain`): before a planned change (a node joining, an agent told to
-stop) the agent writes a drain number into `drain_request`; `CheckpointManager.should_save` sees it, the ranks
-agree on the step, save and commit, and each writes the number into `drain_done`, then waits at the step
-boundary until the request is withdrawn or the round ends.
+The channel also carries drains (the worker's side is `elastic.checkpoint.drain`, the agent's
+`launcher.node.round_workers`): before a planned change (a node joining, an agent told to stop) the agent writes a
+drain number into `drain_request`; `CheckpointManager.should_save` sees it, the ranks agree on the step, save and
+commit, and each writes the number into `drain_done`, then waits at the step boundary until the request is
+withdrawn or the round ends.
 """
 
 from __future__ import annotations
