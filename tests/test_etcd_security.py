@@ -6,6 +6,7 @@ each end elastic-run within seconds with one line that names the fix, and a non-
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import time
@@ -186,13 +187,17 @@ def test_bad_logins_are_one_line(auth_etcd, tmp_path, conf, password, rdzv_id, e
         assert password not in errors[0], "a password is never shown"
 
 
-def test_a_client_logs_in_again_once_its_token_expired(auth_etcd):
+def test_a_client_logs_in_again_once_its_token_expired(auth_etcd, caplog):
+    caplog.set_level(logging.INFO, logger=etcd_client.__name__)
     security = EtcdSecurity(user="trainer", password=PASSWORD)
     client = etcd_client.connect_reachable(auth_etcd.endpoint, security)
     try:
         etcd_client.call_with_retry(client.put, "/elastic/secured/token-check", "1", deadline_s=5)
-        time.sleep(3.5)  # past --auth-token-ttl, unused
+        # real time, unused: etcd expires a token only on its own clock (--auth-token-ttl 2 s, checked every
+        # second), and any call that would show it expired would use it and keep it alive
+        time.sleep(3.5)
         value, _ = etcd_client.call_with_retry(client.get, "/elastic/secured/token-check", deadline_s=5)
         assert value == b"1"
     finally:
         client.close()
+    assert "logging in again" in caplog.text, "the token had not expired: the sleep proved nothing"

@@ -220,9 +220,10 @@ def test_spare_node_beyond_max_is_taken_in_when_a_member_is_lost(cluster):
     cluster.wait_for_world(2, timeout=90)
     spare = cluster.start("c", probe, nnodes="1:2", nproc=1)
     cluster.wait_for(lambda: any(e["node"] == "c" for e in cluster.events("node_joined")), 20, "c to join")
-    time.sleep(2)  # longer than last_call_timeout: no round may form for a node beyond MAX
+    # that no round forms for a node beyond MAX, however long it waits, is test_launcher_decisions'
+    # test_scale_up_after_last_call_or_at_once_when_max_is_reached ("full: c is a spare")
+    cluster.wait_for(lambda: "waiting as a spare" in spare.text(), 20, "c to wait as a spare")
     assert len(cluster.events("round_started")) == 1
-    assert "waiting as a spare" in spare.text()
 
     killed_at = time.time()
     os.kill(agents[1].pid, signal.SIGKILL)
@@ -299,12 +300,13 @@ def test_agents_ride_out_an_etcd_restart(cluster, etcd):
     cluster.wait_for_world(2, timeout=90)
     etcd.process.kill()
     etcd.process.wait()
-    time.sleep(3)  # many keep-alive intervals: etcd extends the leases when it comes back
+    # etcd stays away until the agent has missed it for several keep-alive intervals and said so; the leases
+    # are extended when it comes back
+    cluster.wait_for(lambda: "workers keep running" in agent.text(), 20, "the agent to warn that etcd is away")
     etcd.start()
     assert agent.wait(timeout=90) == 0, cluster.dump()
     assert len(events(agent, "round_started")) == 1
     assert not events(agent, "node_lost")
-    assert "workers keep running" in agent.text()
 
 
 def test_endpoint_list_fails_over_to_a_live_etcd_member(etcd, tmp_path):
