@@ -7,6 +7,7 @@ import dataclasses
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,22 @@ def fixed(seconds: float, **changes) -> Policy:
 
 
 # -- the allowance rule ------------------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_the_rules_touch_no_process():
+    runtime = {"subprocess", "launcher.workers.process_tree", "launcher.workers.failure_evidence"}
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys, launcher.workers.watchdog_rules; print(sorted(set(sys.modules) & {runtime}))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert found.stdout.strip() == "[]", f"launcher.workers.watchdog_rules imports {found.stdout.strip()}"
+
+
 @pytest.mark.timeout(10)
 def test_auto_allows_the_larger_of_the_minimum_and_ten_times_the_slowest_interval():
     assert allowance(AUTO, []) == 60.0  # one heartbeat so far: no interval yet
