@@ -129,12 +129,11 @@ class Cluster:
         """The job's membership log as etcd holds it now; an agent's membership.jsonl is complete once it exits
         (the controller's is kept current while the job runs)."""
         from launcher.etcd import client as etcd_client
-        from launcher.rendezvous.membership_log import read_events
-        from launcher.rendezvous.protocol import JobKeys
+        from launcher.rendezvous.protocol import JobStore
 
         client = etcd_client.connect(self.endpoint)
         try:
-            return [json.loads(e.dumps()) for e in read_events(client, JobKeys(rdzv_id).events)]
+            return [json.loads(e.dumps()) for e in JobStore(client, rdzv_id).read_events()]
         finally:
             client.close()
 

@@ -12,7 +12,7 @@ from launcher.etcd import client as etcd_client
 from launcher.etcd.watch import RangeMirror
 from launcher.rendezvous.controller import Controller
 from launcher.rendezvous.job_view import ViewParser
-from launcher.rendezvous.membership_log import LogMirror, read_events
+from launcher.rendezvous.membership_log import LogMirror
 from launcher.rendezvous.protocol import Holder, JobStore
 from launcher.rendezvous.records import NodeFailure, NodeRecord, WorkerFailure
 
@@ -87,7 +87,7 @@ class HandPlayedJob:
         self.store.report_failed(view.round_revision, NodeFailure(node=name, round=view.round.round, failures=[worker]))
 
     def events(self) -> list[str]:
-        return [e.event for e in read_events(self.client, self.store.keys.events)]
+        return [e.event for e in self.store.read_events()]
 
     def close(self) -> None:
         self._stop.set()

@@ -17,7 +17,6 @@ import pytest
 from launcher_harness import FAST_RDZV, REPO, elastic_run_command, events, pid_alive
 
 from launcher.etcd import client as etcd_client
-from launcher.rendezvous.membership_log import read_events
 from launcher.rendezvous.protocol import JobKeys, JobStore
 from launcher.rendezvous.records import NodeRecord, RoundHeader
 from launcher.workers.process_tree import child_pids as children
@@ -318,7 +317,7 @@ def test_etcd_keeps_max_events_while_membership_jsonl_keeps_them_all(cluster):
     assert agent.wait(timeout=90) == 0, cluster.dump()
 
     with etcd_session(cluster.endpoint) as client:
-        stored = read_events(client, KEYS.events)
+        stored = JobStore(client, KEYS.rdzv_id).read_events()
         assert 0 < len(keys_under(client, KEYS.events)) <= 5
     log = agent.membership()
     names = [e["event"] for e in log]

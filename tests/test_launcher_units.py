@@ -10,7 +10,7 @@ from launcher.config import RendezvousSettings, Std, parse_nnodes, parse_rdzv_co
 from launcher.etcd import client as etcd_client
 from launcher.rendezvous import membership_log
 from launcher.rendezvous.decisions import assign_ranks, failure_summary, root_cause
-from launcher.rendezvous.protocol import JobKeys
+from launcher.rendezvous.protocol import JobKeys, JobStore
 from launcher.rendezvous.records import DrainReport, NodeRecord, RoundRecord, WorkerFailure
 
 pytestmark = pytest.mark.timeout(60)
@@ -132,16 +132,16 @@ def test_agents_sharing_a_log_dir_write_each_event_once(etcd, tmp_path):
     try:
         mirrors = [membership_log.LogMirror(tmp_path), membership_log.LogMirror(tmp_path)]
         append(membership_log.new_event("node_joined", node="a"))
-        mirrors[0].sync(client, keys.events)
+        mirrors[0].sync(JobStore(client, keys.rdzv_id).read_events)
         append(membership_log.new_event("node_joined", node="b"))
         append(membership_log.new_event("round_started", round=0), membership_log.new_event("restart", round=0))
         client.put(keys.new_event_key("foreign"), "not an event")  # named in a warning, never fatal
         for mirror in reversed(mirrors):
-            mirror.sync(client, keys.events)
-        mirrors[0].sync(client, keys.events)
+            mirror.sync(JobStore(client, keys.rdzv_id).read_events)
+        mirrors[0].sync(JobStore(client, keys.rdzv_id).read_events)
         lines = [json.loads(line) for line in (tmp_path / "membership.jsonl").read_text().splitlines()]
         assert [e["event"] for e in lines] == ["node_joined", "node_joined", "round_started", "restart"]
-        assert [e["event"] for e in lines] == [e.event for e in membership_log.read_events(client, keys.events)]
+        assert [e["event"] for e in lines] == [e.event for e in JobStore(client, keys.rdzv_id).read_events()]
         assert membership_log.LogMirror.for_dir(tmp_path) is membership_log.LogMirror.for_dir(tmp_path / ".")
     finally:
         client.close()

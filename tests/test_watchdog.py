@@ -19,7 +19,7 @@ from elastic import channel
 from launcher.commands.cli import ConfigError, build_parser, config_from_args
 from launcher.config import LaunchConfig, Std
 from launcher.etcd import client as etcd_client
-from launcher.rendezvous.membership_log import format_table, read_events
+from launcher.rendezvous.membership_log import format_table
 from launcher.rendezvous.protocol import JobStore
 from launcher.rendezvous.records import MasterRecord, Member, NodeFailure, RoundRecord, WorkerFailure
 from launcher.workers.environment import worker_env
@@ -464,7 +464,7 @@ def test_report_of_a_hung_worker_logs_worker_hung_with_its_details(etcd):
         )
         other = WorkerFailure(node="a", round=0, local_rank=0, rank=2, exit_code=1, time=2.0)
         assert store.report_failed(0, NodeFailure(node="a", round=0, failures=[hung, other]))
-        events = read_events(client, store.keys.events)
+        events = store.read_events()
     finally:
         client.close()
     assert [e.event for e in events] == ["worker_hung", "worker_failed"]

@@ -150,7 +150,7 @@ class Agent:
     def sync_log(self) -> None:
         """Copy the job's new membership events from etcd into the log directory."""
         try:
-            self.log.sync(self.client, self.store.keys.events)
+            self.log.sync(self.store.read_events)
         except Exception as exc:
             logger.debug("membership log mirror failed: %s", exc)
 

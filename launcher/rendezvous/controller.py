@@ -36,9 +36,9 @@ from launcher.rendezvous.decisions import (
 )
 from launcher.rendezvous.job_view import JobView, ViewParser
 from launcher.rendezvous.liveness import probe
-from launcher.rendezvous.membership_log import LogMirror, new_event
+from launcher.rendezvous.membership_log import LogMirror
 from launcher.rendezvous.protocol import Holder, JobStore
-from launcher.rendezvous.records import DrainRequest, JobStatus, RoundRecord
+from launcher.rendezvous.records import DrainRequest, JobStatus, RoundRecord, new_event
 from launcher.rendezvous.round_events import round_events
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Controller:
             return
         self._last_log_sync = now
         try:
-            self.log.sync(self.store.client, self.store.keys.events)
+            self.log.sync(self.store.read_events)
             if version is not None:
                 self._synced_version = version
         except Exception as exc:

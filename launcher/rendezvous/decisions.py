@@ -141,7 +141,7 @@ class CallRollCall:
 
 @dataclass(frozen=True)
 class RequestDrain:
-    """Ask the round's workers to checkpoint at their next step boundary and wait there (launcher.drain)."""
+    """Ask the round's workers to checkpoint at their next step boundary and wait there (elastic.checkpoint.drain)."""
 
     round: int
     reason: str  # scale_up or node_left

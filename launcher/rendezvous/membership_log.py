@@ -10,24 +10,11 @@ import threading
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
-from launcher.rendezvous.protocol import JobKeys, JobStore
 from launcher.rendezvous.records import MembershipEvent
-from launcher.rendezvous.records import new_event as new_event  # controller.py imports it from here
 
 LOG_FILE_NAME = "membership.jsonl"
 EventReader = Callable[[int], list[MembershipEvent]]  # the events above a revision, in log order
-
-
-def read_events(client: Any, events_prefix: str, after_revision: int = 0) -> list[MembershipEvent]:
-    """The events under `events_prefix` above `after_revision`, read through the job's JobStore: the form the tests
-    that predate `JobStore.read_events` call (issue #21)."""
-    return _store_of(client, events_prefix).read_events(after_revision)
-
-
-def _store_of(client: Any, events_prefix: str) -> JobStore:
-    return JobStore(client, JobKeys.of(events_prefix).rdzv_id)
 
 
 class LogMirror:
@@ -54,13 +41,8 @@ class LogMirror:
                 mirror = cls._by_path[path] = cls(log_dir)
             return mirror
 
-    def sync(self, read: EventReader | Any, events_prefix: str | None = None) -> None:
-        """Append the events `read(after_revision)` returns (a JobStore's `read_events`) that the file lacks.
-
-        `sync(client, events_prefix)` is the form agent.py and controller.py still use; it goes once they pass
-        their store's `read_events` (issue #21)."""
-        if events_prefix is not None:
-            read = _store_of(read, events_prefix).read_events
+    def sync(self, read: EventReader) -> None:
+        """Append the events `read(after_revision)` returns (a JobStore's `read_events`) that the file lacks."""
         with self._lock:
             events = read(self.seen_revision)
             if events:

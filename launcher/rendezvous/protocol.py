@@ -197,12 +197,6 @@ class JobKeys:
         self.rounds = self.state + "rounds/"
         self.members = self.state + "members/"
 
-    @classmethod
-    def of(cls, key: str) -> JobKeys:
-        """The keys of the job that `key` (a key of the table, or a prefix of one) belongs to."""
-        rdzv_id, _ = _split_job(key)
-        return cls(rdzv_id)
-
     def node(self, node: str) -> str:
         return self.nodes + node
 

@@ -294,7 +294,7 @@ class RollCall(Record):
 
 class DrainRequest(Record):
     """The controller's request, before a planned change, that a round's workers checkpoint at their next step
-    boundary and wait there (launcher.drain)."""
+    boundary and wait there (elastic.checkpoint.drain; the agents pass it on in launcher.node.round_workers)."""
 
     round: int
     number: int = Field(gt=0, lt=2**63)  # what the agents write into the workers' channels
