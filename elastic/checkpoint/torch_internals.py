@@ -2,7 +2,7 @@
 
 Private APIs change without notice between torch releases. Each one used here is looked up once, at import;
 when it is missing or no longer behaves as expected, the public fallback runs instead and a warning names it,
-so a torch upgrade makes checkpoints slower, never wrong. `tests/test_torch_internals.py` fails loudly when
+so a torch upgrade makes checkpoints slower, never wrong. `tests/unit/test_torch_internals.py` fails loudly when
 the installed torch lacks one, so an upgrade is noticed in CI rather than in a slow job.
 
 - DCP's key flattening (`torch.distributed.checkpoint._nested_dict.flatten_state_dict`): the flat keys DCP

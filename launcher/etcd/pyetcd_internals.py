@@ -3,8 +3,8 @@
 pyetcd documents its client's calls, not how it routes a call's gRPC error, picks an endpoint, attaches a login
 token or runs the watch stream; `launcher.etcd.client` needs each of those to fail over at once, log in again
 and end the watches of a dead stream. Private parts change without notice between releases:
-`tests/test_pyetcd_internals.py` fails when the installed pyetcd lacks one or it no longer has the shape used
-here, so an upgrade is noticed in CI, not in a job that cannot fail over.
+`tests/integration/test_pyetcd_internals.py` fails when the installed pyetcd lacks one or it no longer has the
+shape used here, so an upgrade is noticed in CI, not in a job that cannot fail over.
 
 - `MultiEndpointEtcd3Client._manage_grpc_errors(exc)`: every unary call hands its `grpc.RpcError` to it (pyetcd's
   `_handle_errors` decorator) and raises what it raises: the one place to turn errors into ours.

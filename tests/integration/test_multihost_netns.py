@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from netns_harness import NODE_IFACE, Network, hostname_resolution, unavailable_reason
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "examples" / "collective_probe.py"
-GLOO_ENV = Path(__file__).resolve().parent / "workers" / "gloo_env.py"
+GLOO_ENV = Path(__file__).resolve().parents[1] / "workers" / "gloo_env.py"
 FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=60"
 NODES, NPROC = 3, 2
 

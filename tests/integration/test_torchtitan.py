@@ -367,7 +367,7 @@ def test_model_state_saves_a_model_whose_state_dict_hooks_split_parameters(tmp_p
 
 
 def test_the_documented_job_config_parses_in_torchtitan(monkeypatch) -> None:
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1]))  # torchtitan imports the module by name
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2]))  # torchtitan imports the module by name
     config = ConfigManager().parse_args(
         [
             "--module",

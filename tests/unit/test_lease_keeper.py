@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from launcher.etcd.errors import EtcdUnavailable
 from launcher.etcd.lease_keeper import MAX_IN_FLIGHT, LeaseKeeper, RefreshTimes, refresh_due
 
 INTERVAL = 1.0
@@ -44,7 +45,7 @@ class _Etcd:
         self.calls += 1
         if self.leader_dead.is_set():
             time.sleep(timeout)
-            raise TimeoutError("deadline exceeded")
+            raise EtcdUnavailable("deadline exceeded")
         return [SimpleNamespace(TTL=3)]
 
 

@@ -25,7 +25,7 @@ from elastic.checkpoint import write_commit_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 STEPS = 12
 GLOBAL_BATCH = 8
 # 1200 characters in windows of 32 make 37 sequences, so 12 steps of 8 cross two epoch boundaries mid-step.

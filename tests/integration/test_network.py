@@ -19,8 +19,8 @@ from launcher.workers import network
 from launcher.workers.environment import worker_env
 from launcher.workers.network import gloo_interface_env, interface_holding
 
-REPO = Path(__file__).resolve().parents[1]
-GLOO_ENV = Path(__file__).resolve().parent / "workers" / "gloo_env.py"
+REPO = Path(__file__).resolve().parents[2]
+GLOO_ENV = Path(__file__).resolve().parents[1] / "workers" / "gloo_env.py"
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from netns_harness import PartitionNetwork, unavailable_reason
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "examples" / "collective_probe.py"
 # lease TTL 2 s (0.5 s x 3, rounded up): an agent that etcd has not answered for 1.5 s fences itself
 FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=60"
