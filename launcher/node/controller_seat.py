@@ -13,7 +13,7 @@ from launcher.node.rules import claim_spread
 from launcher.rendezvous.controller import Controller
 from launcher.rendezvous.liveness import probe
 from launcher.rendezvous.membership_log import LogMirror
-from launcher.rendezvous.protocol import Holder, JobStore
+from launcher.rendezvous.protocol import ControllerStore, Holder, JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class ControllerSeat:
         if not self.store.claim_controller(holder):
             return
         self._stop = threading.Event()
-        controller = Controller(self.store, holder, self.config, self.log)
+        controller = Controller(ControllerStore(self.store.client, self.config.rdzv_id), holder, self.config, self.log)
         self._thread = threading.Thread(target=controller.run, args=(self._stop,), name="round-controller", daemon=True)
         self._thread.start()
 

@@ -37,7 +37,7 @@ from launcher.rendezvous.decisions import (
 from launcher.rendezvous.job_view import JobView, ViewParser
 from launcher.rendezvous.liveness import probe
 from launcher.rendezvous.membership_log import LogMirror
-from launcher.rendezvous.protocol import Holder, JobStore
+from launcher.rendezvous.protocol import ControllerStore, Holder
 from launcher.rendezvous.records import DrainRequest, JobStatus, RoundRecord, new_event
 from launcher.rendezvous.round_events import round_events
 
@@ -70,7 +70,7 @@ def settings_from(config: LaunchConfig) -> Settings:
 
 
 class Controller:
-    def __init__(self, store: JobStore, holder: Holder, config: LaunchConfig, log: LogMirror) -> None:
+    def __init__(self, store: ControllerStore, holder: Holder, config: LaunchConfig, log: LogMirror) -> None:
         self.store = store
         self.holder = holder
         self.settings = settings_from(config)

@@ -505,6 +505,69 @@ class JobStore:
         self._apply([self._round_unchanged(round_revision)], [self._tx.delete(stalled)], deadline_s=_STEP_DEADLINE_S)
 
     # -- the controller ------------------------------------------------------------------------------------
+    def read_events(
+        self, after_revision: int = 0, deadline_s: float = _HOUSEKEEPING_DEADLINE_S
+    ) -> list[MembershipEvent]:
+        """The job's events with an etcd revision above `after_revision`, in log order; malformed ones left out."""
+        # events are never modified, so their mod revision is their create revision
+        response = call_with_retry(
+            self.client.get_prefix_response,
+            self.keys.events,
+            min_mod_revision=after_revision + 1,
+            deadline_s=deadline_s,
+        )
+        return _events_in({kv.key.decode(errors="replace"): Entry(kv.value, kv.mod_revision) for kv in response.kvs})
+
+    # -- whole job -------------------------------------------------------------------------------------------
+    def check_access(self) -> None:
+        """Read and write under the job's prefix once, so that an etcd user without the rights fails now, in one
+        line, not halfway through a rendezvous. Raises what the client raises."""
+        probe = self.keys.new_access_check_key()
+        call_with_retry(self.client.get, self.keys.controller, deadline_s=_STEP_DEADLINE_S)
+        call_with_retry(self.client.put, probe, "", deadline_s=_STEP_DEADLINE_S)
+        call_with_retry(self.client.delete, probe, deadline_s=_STEP_DEADLINE_S)
+
+    def read_status(self) -> JobStatus | None:
+        raw, _ = call_with_retry(self.client.get, self.keys.status, deadline_s=_WRITE_DEADLINE_S)
+        return JobStatus.loads(raw) if raw is not None else None
+
+    def live_nodes(self) -> int:
+        return self._count(self.keys.nodes)
+
+    def key_count(self) -> int:
+        return self._count(self.keys.prefix)
+
+    def purge(self) -> int:
+        """Delete every key of the job; returns how many there were."""
+        count = self.key_count()
+        call_with_retry(self.client.delete_prefix, self.keys.prefix, deadline_s=_WRITE_DEADLINE_S)
+        return count
+
+
+def _events_in(entries: dict[str, Entry]) -> list[MembershipEvent]:
+    """The events among `entries` (their keys and values), in log order: by revision, then key (one transaction's
+    events share a revision). A value that is no event is named in a warning once and left out."""
+    found = []
+    for key, entry in sorted(entries.items(), key=lambda item: (item[1].mod_revision, item[0])):
+        try:
+            event = MembershipEvent.model_validate_json(entry.value)
+        except ValidationError as exc:
+            if (key, entry.mod_revision) not in _warned_events:  # a foreign or damaged value: never fatal
+                _warned_events.add((key, entry.mod_revision))
+                logger.warning("ignoring malformed membership event at %s (%s)", key, str(exc).splitlines()[0])
+            continue
+        event.revision = entry.mod_revision
+        found.append(event)
+    return found
+
+
+def _prefix_end(prefix: str) -> str:
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+class ControllerStore(JobStore):
+    """The writes only the controller makes: each is guarded by holding the controller key (the table above)."""
+
     def form_round(
         self,
         holder: Holder,
@@ -598,61 +661,3 @@ class JobStore:
         return excess
 
     # -- the membership log ------------------------------------------------------------------------------------
-    def read_events(
-        self, after_revision: int = 0, deadline_s: float = _HOUSEKEEPING_DEADLINE_S
-    ) -> list[MembershipEvent]:
-        """The job's events with an etcd revision above `after_revision`, in log order; malformed ones left out."""
-        # events are never modified, so their mod revision is their create revision
-        response = call_with_retry(
-            self.client.get_prefix_response,
-            self.keys.events,
-            min_mod_revision=after_revision + 1,
-            deadline_s=deadline_s,
-        )
-        return _events_in({kv.key.decode(errors="replace"): Entry(kv.value, kv.mod_revision) for kv in response.kvs})
-
-    # -- whole job -------------------------------------------------------------------------------------------
-    def check_access(self) -> None:
-        """Read and write under the job's prefix once, so that an etcd user without the rights fails now, in one
-        line, not halfway through a rendezvous. Raises what the client raises."""
-        probe = self.keys.new_access_check_key()
-        call_with_retry(self.client.get, self.keys.controller, deadline_s=_STEP_DEADLINE_S)
-        call_with_retry(self.client.put, probe, "", deadline_s=_STEP_DEADLINE_S)
-        call_with_retry(self.client.delete, probe, deadline_s=_STEP_DEADLINE_S)
-
-    def read_status(self) -> JobStatus | None:
-        raw, _ = call_with_retry(self.client.get, self.keys.status, deadline_s=_WRITE_DEADLINE_S)
-        return JobStatus.loads(raw) if raw is not None else None
-
-    def live_nodes(self) -> int:
-        return self._count(self.keys.nodes)
-
-    def key_count(self) -> int:
-        return self._count(self.keys.prefix)
-
-    def purge(self) -> int:
-        """Delete every key of the job; returns how many there were."""
-        count = self.key_count()
-        call_with_retry(self.client.delete_prefix, self.keys.prefix, deadline_s=_WRITE_DEADLINE_S)
-        return count
-
-
-def _events_in(entries: dict[str, Entry]) -> list[MembershipEvent]:
-    """The events among `entries` (their keys and values), in log order: by revision, then key (one transaction's
-    events share a revision). A value that is no event is named in a warning once and left out."""
-    found = []
-    for key, entry in sorted(entries.items(), key=lambda item: (item[1].mod_revision, item[0])):
-        try:
-            event = MembershipEvent.model_validate_json(entry.value)
-        except ValidationError as exc:
-            if (key, entry.mod_revision) not in _warned_events:  # a foreign or damaged value: never fatal
-                _warned_events.add((key, entry.mod_revision))
-                logger.warning("ignoring malformed membership event at %s (%s)", key, str(exc).splitlines()[0])
-            continue
-        event.revision = entry.mod_revision
-        found.append(event)
-    return found
-
-
-def _prefix_end(prefix: str) -> str:
-    return prefix[:-1] + chr(ord(prefix[-1]) + 1)

@@ -13,7 +13,7 @@ from launcher.etcd.watch import RangeMirror
 from launcher.rendezvous.controller import Controller
 from launcher.rendezvous.job_view import ViewParser
 from launcher.rendezvous.membership_log import LogMirror
-from launcher.rendezvous.protocol import Holder, JobStore
+from launcher.rendezvous.protocol import ControllerStore, Holder
 from launcher.rendezvous.records import NodeFailure, NodeRecord, WorkerFailure
 
 pytestmark = pytest.mark.timeout(90)
@@ -24,7 +24,7 @@ class HandPlayedJob:
 
     def __init__(self, endpoint: str, log_dir, max_restarts: int = 0) -> None:
         self.client = etcd_client.connect(endpoint)
-        self.store = JobStore(self.client, "ctl")
+        self.store = ControllerStore(self.client, "ctl")
         self.config = LaunchConfig(
             min_nodes=1,
             max_nodes=2,
