@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.etcd import client as etcd_client
+from launcher.etcd.errors import EtcdUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +109,11 @@ class LeaseKeeper:
         try:
             # under its own deadline: the client's, for every call, outlasts a fence's budget
             responses = self._refresh(self.lease, self.interval)
+        except EtcdUnavailable as exc:
+            logger.debug("lease %x refresh failed, sending more: %s", self.lease.id, exc)
+            responses = None
         except Exception as exc:
-            if not etcd_client.is_transient(exc):
-                logger.warning("lease %x refresh refused: %s", self.lease.id, exc)
-            else:
-                logger.debug("lease %x refresh failed, sending more: %s", self.lease.id, exc)
+            logger.warning("lease %x refresh refused: %s", self.lease.id, exc)
             responses = None
         with self._lock:
             previous = self._times.confirmed

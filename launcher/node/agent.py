@@ -32,6 +32,7 @@ from typing import assert_never
 from elastic import node_memory
 from launcher.config import LaunchConfig
 from launcher.etcd import client as etcd_client
+from launcher.etcd.errors import EtcdUnavailable
 from launcher.etcd.lease_keeper import Refresh
 from launcher.etcd.watch import RangeMirror
 from launcher.node import rules
@@ -222,9 +223,7 @@ class Agent:
             self.etcd_health.note(self.mirror.connected)
             try:
                 self.step(view)
-            except Exception as exc:
-                if not etcd_client.is_transient(exc):
-                    raise
+            except EtcdUnavailable as exc:
                 # every action is safe to repeat: a pending report or an unstarted round is retried next time
                 logger.debug("etcd call failed, retrying: %s", exc)
             self.mirror.wait(seen, self.config.monitor_interval)
@@ -312,9 +311,7 @@ class Agent:
             self.workers.stop(signal.SIGKILL)
         try:
             self.store.revoke(self.me.record.lease, deadline_s=self.config.monitor_interval)
-        except Exception as exc:
-            if not etcd_client.is_transient(exc):
-                raise
+        except EtcdUnavailable:
             self.mirror.wait(self.mirror.version, self.config.monitor_interval)  # still cut off; try again
             return
         self._fence_pending = False

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.config import LaunchConfig
-from launcher.etcd import client as etcd_client
+from launcher.etcd.errors import LeaseGone
 from launcher.etcd.lease_keeper import LeaseKeeper, Refresh
 from launcher.rendezvous.liveness import LivenessServer
 from launcher.rendezvous.protocol import JobStore, NodeIdTaken
@@ -56,9 +56,7 @@ class Incarnation:
             except NodeIdTaken as exc:
                 store.revoke(lease.id)
                 raise SystemExit(f"error: {exc}") from None
-            except Exception as exc:
-                if not etcd_client.is_lease_gone(exc):
-                    raise
+            except LeaseGone:
                 logger.warning("lease %x ended before registration (a stalled etcd); registering again", lease.id)
         keeper = LeaseKeeper(lease, config.rdzv.keep_alive_interval, on_lost, refresh=refresh).start()
         logger.info("node %s (%s) joined job %s, lease %ds", config.node_id, addr, config.rdzv_id, lease.ttl)

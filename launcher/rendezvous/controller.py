@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import assert_never
 
 from launcher.config import LaunchConfig
-from launcher.etcd import client as etcd_client
+from launcher.etcd.errors import EtcdUnavailable
 from launcher.etcd.watch import RangeMirror
 from launcher.rendezvous.decisions import (
     Action,
@@ -119,9 +119,7 @@ class Controller:
             clock = track(view, clock, now, self.settings, applied=decision)  # remembers the probes it makes
             try:
                 self._apply(decision, view)
-            except Exception as exc:
-                if not etcd_client.is_transient(exc):
-                    raise
+            except EtcdUnavailable as exc:
                 logger.warning("controller: etcd did not answer (%s); retrying", exc)
             # our own write comes back through the watch; deciding again before it did would repeat it
             mirror.wait(version, 1.0)
