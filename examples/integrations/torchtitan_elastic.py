@@ -11,7 +11,7 @@ module by name)::
         --dataloader.dataset-path /data/tokens.bin
 
 The dataset is a file of token ids of the model's vocabulary (2048 for the debug model): nanoGPT's raw uint16
-``.bin``, or a ``.npy`` array. torchtitan's trainer needs a GPU (see the README).
+``.bin``, or a ``.npy`` array. torchtitan's trainer needs a GPU (see docs/library.md).
 """
 
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
