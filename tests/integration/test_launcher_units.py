@@ -11,7 +11,14 @@ from launcher.etcd import client as etcd_client
 from launcher.rendezvous import membership_log
 from launcher.rendezvous.decisions import assign_ranks, failure_summary, root_cause
 from launcher.rendezvous.protocol import JobKeys, JobStore
-from launcher.rendezvous.records import DrainReport, NodeRecord, RoundRecord, WorkerFailure
+from launcher.rendezvous.records import (
+    DrainReport,
+    MembershipEvent,
+    NodeRecord,
+    RoundRecord,
+    WorkerFailure,
+    new_event,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -124,17 +131,17 @@ def test_agents_sharing_a_log_dir_write_each_event_once(etcd, tmp_path):
     client = etcd_client.connect(etcd.endpoint)
     keys = JobKeys("mirror")
 
-    def append(*events: membership_log.MembershipEvent) -> None:
+    def append(*events: MembershipEvent) -> None:
         # one transaction, one revision: events land together, in key order
         puts = [client.transactions.put(keys.new_event_key("t"), e.dumps()) for e in events]
         client.transaction(compare=[], success=puts, failure=[])
 
     try:
         mirrors = [membership_log.LogMirror(tmp_path), membership_log.LogMirror(tmp_path)]
-        append(membership_log.new_event("node_joined", node="a"))
+        append(new_event("node_joined", node="a"))
         mirrors[0].sync(JobStore(client, keys.rdzv_id).read_events)
-        append(membership_log.new_event("node_joined", node="b"))
-        append(membership_log.new_event("round_started", round=0), membership_log.new_event("restart", round=0))
+        append(new_event("node_joined", node="b"))
+        append(new_event("round_started", round=0), new_event("restart", round=0))
         client.put(keys.new_event_key("foreign"), "not an event")  # named in a warning, never fatal
         for mirror in reversed(mirrors):
             mirror.sync(JobStore(client, keys.rdzv_id).read_events)
