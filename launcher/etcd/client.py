@@ -5,6 +5,8 @@ EtcdUnavailable and LeaseGone. Other refusals (no rights, a bad request) stay gR
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -193,11 +195,45 @@ def close(client: EtcdClient, timeout_s: float = 2.0) -> None:
 def check_reachable(
     client: EtcdClient, spec: str, security: EtcdSecurity | None = None, deadline_s: float = 5.0
 ) -> None:
-    """Raise EtcdUnreachable naming `spec` unless an etcd v3 server answers within `deadline_s`."""
+    """Raise EtcdUnreachable naming `spec` unless an etcd v3 server answers within `deadline_s`. A TLS handshake
+    that failed, or a plain client at a server that speaks TLS, is not retried: waiting cannot change a
+    certificate."""
+    security = security or EtcdSecurity()
+
+    def worth_retrying(exc: BaseException) -> bool:
+        return is_transient(exc) and _tls_mismatch(exc, spec, security) is None
+
     try:
-        call_with_retry(client.status, deadline_s=deadline_s)
+        errors.call_with_retry(client.status, deadline_s=deadline_s, retry_if=worth_retrying)
     except Exception as exc:  # grpc and the client raise a zoo of types for "not etcd" and "not there"
         raise explain(exc, spec, security) from exc
+
+
+def _tls_mismatch(exc: BaseException, spec: str, security: EtcdSecurity) -> str | None:
+    """Why `exc` is a TLS refusal (None: it is not one): the handshake failed, or etcd speaks TLS to a client
+    that does not."""
+    detail = _detail(exc)
+    if any(word in detail.lower() for word in ("ssl", "handshake", "certificate", "tls")):
+        return detail
+    if not security.tls and "connection refused" not in detail.lower():
+        speaking = [f"{host}:{port}" for host, port in parse_endpoints(spec) if _speaks_tls(host, port)]
+        if speaking:
+            return f"{', '.join(speaking)} answered with TLS; elastic-run connected without it"
+    return None
+
+
+def _speaks_tls(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether a TLS handshake with host:port gets a TLS answer (the server's certificate, or its refusal of ours)."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
+            with context.wrap_socket(raw, server_hostname=host):
+                return True
+    except ssl.SSLError as exc:
+        return "ALERT" in (exc.reason or "")  # the server refused our handshake in TLS; a plain one just hangs up
+    except OSError:
+        return False
 
 
 def explain(exc: BaseException, spec: str, security: EtcdSecurity | None = None) -> EtcdUnreachable:
@@ -206,12 +242,18 @@ def explain(exc: BaseException, spec: str, security: EtcdSecurity | None = None)
     detail = _detail(exc)
     code = exc.code() if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
     lowered = detail.lower()
-    if any(word in lowered for word in ("ssl", "handshake", "certificate", "tls")) or (
+    mismatch = _tls_mismatch(exc, spec, security)
+    if mismatch is not None and not security.tls:
+        return EtcdUnreachable(
+            f"etcd at {spec} speaks TLS ({mismatch}): pass --rdzv-conf cacert=CA.pem (the CA that signed "
+            "etcd's certificate), with cert=,key= if etcd asks for client certificates"
+        )
+    if mismatch is not None or (
         security.tls and code is grpc.StatusCode.UNAVAILABLE and "connection refused" not in lowered
     ):
         return EtcdUnreachable(
-            f"TLS with etcd at {spec} failed ({detail}); check --rdzv-conf cacert (the CA that "
-            "signed etcd's certificate) and cert/key (a client certificate that CA signed)"
+            f"TLS with etcd at {spec} failed ({_handshake_reason(detail)}); check --rdzv-conf cacert (the CA "
+            "that signed etcd's certificate) and cert/key (a client certificate that CA signed)"
         )
     if "authentication failed" in lowered or "invalid user id or password" in lowered:
         return EtcdUnreachable(
@@ -235,6 +277,13 @@ def explain(exc: BaseException, spec: str, security: EtcdSecurity | None = None)
         f"cannot reach an etcd v3 server at {spec} ({type(exc).__name__}: {detail or 'no answer'}); "
         "start etcd there, fix --rdzv-endpoint, or use --standalone"
     )
+
+
+def _handshake_reason(detail: str) -> str:
+    """OpenSSL's reason from gRPC's detail ("CERTIFICATE_VERIFY_FAILED: unable to get local issuer certificate"),
+    or the whole detail when it names none."""
+    _, found, reason = detail.rpartition("OPENSSL_internal:")
+    return reason.removesuffix(": OK").strip() if found else detail
 
 
 def _detail(exc: BaseException) -> str:
