@@ -208,6 +208,9 @@ def host_main(index: int, spec: dict, conn, events) -> None:
         def reporting_hang(self) -> bool:
             return False
 
+        def latest_step(self) -> None:
+            return None  # no workers, no steps
+
     class BenchAgent(Agent):
         """The real agent, plus timestamps at registration, round entry and acknowledgement, and a way to die."""
 

@@ -108,7 +108,8 @@ class Agent:
         self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
         self.seat = ControllerSeat(self.store, config, self.log, self.node_id)
         self._fence_pending = False  # our workers were killed because etcd stopped confirming our lease
-        self._stall_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stall-report")
+        # etcd writes that must not hold up the loop (a node cut off from etcd must still fence itself)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="etcd-writer")
         self.etcd_health = EtcdHealthLog(config.rdzv_endpoint)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -137,7 +138,7 @@ class Agent:
             if self._me is not None:
                 self._me.keeper.stop()
             self.liveness.stop()
-            self._stall_writer.shutdown(wait=False, cancel_futures=True)
+            self._writer.shutdown(wait=False, cancel_futures=True)
             self.mirror.close()
             node_memory.remove(self.memory_dir)
             self.sync_log()
@@ -249,6 +250,7 @@ class Agent:
                 workers_started=self.workers.running,
                 reporting_hang=self.workers.reporting_hang(),
                 done=frozenset(done),
+                latest_step=self.workers.latest_step(),
             )
             if action is None:
                 return
@@ -295,8 +297,18 @@ class Agent:
                 assert run is not None, "roll calls belong to a round"
                 if self.store.answer_rollcall(run.round, run.revision, self.node_id, nonce):
                     run.answered_rollcall = nonce
+            case rules.RecordProgress(step=step):
+                assert run is not None, "progress belongs to a round"
+                run.progress_step, run.progress_at = step, time.monotonic()
+                self._writer.submit(self._record_progress, run.round, run.revision, step)
             case _:
                 assert_never(action)
+
+    def _record_progress(self, round_: int, revision: int, step: int) -> None:
+        try:
+            self.store.record_progress(round_, revision, self.node_id, step)
+        except Exception as exc:  # progress is for the picture; the next one is 10 s away
+            logger.debug("training progress not recorded: %s", exc)
 
     def _fence(self, silent_for: float) -> None:
         """Kill our workers now; end this incarnation once etcd answers, then rejoin as a newcomer."""
@@ -325,7 +337,7 @@ class Agent:
         self.workers.stop()
         phase = Phase.STARTING if member is not None else Phase.SPARE
         self.run_ = RoundRun(header=header, revision=revision, member=member, phase=phase)
-        self._stalls = StallReporter(self.store, self.node_id, header.round, revision, self._stall_writer)
+        self._stalls = StallReporter(self.store, self.node_id, header.round, revision, self._writer)
         if member is None:
             logger.info(
                 "round %d formed without this incarnation of node %s: waiting as a spare for the next "

@@ -50,6 +50,9 @@ class RoundWorkers:
     def stall(self) -> Stall | None:
         return self.group.stall() if self.group is not None else None
 
+    def latest_step(self) -> int | None:
+        return self.group.latest_step() if self.group is not None else None
+
     def start(self, run: RoundRun, member: Member, master: MasterRecord | None) -> None:
         if master is None:  # we are group rank 0: publish where our store will listen
             master = MasterRecord(addr=member.addr, port=free_port(member.addr))

@@ -15,7 +15,9 @@ Within a round (`next_action`), one action at a time, each kind at most once per
   EnterRound (a newer round names us or not) -> StartWorkers (we are a member and the master is known, or we are
   group rank 0 and publish it) -> PollWorkers -> RefillWarmPool -> Acknowledge (the controller learns our workers
   started) -> Report (success or failure) -> CheckController (after our failure: is its agent alive?) ->
-  FollowDrain -> FollowStall -> AnswerRollCall (not while our watchdog reports a hang: its report comes first).
+  FollowDrain -> FollowStall -> AnswerRollCall (not while our watchdog reports a hang: its report comes first) ->
+  RecordProgress (group rank 0 only: the workers' newest step into the membership log, the first one of every
+  round at once and then at most every PROGRESS_EVERY_S, so the log grows by one event per job, not per node).
 
 Phases of a round on this node:
   SPARE    the round formed without this incarnation; wait for the next one
@@ -44,6 +46,7 @@ from launcher.rendezvous.records import (
 CLAIM_SPREAD_PER_MEMBER_S = 0.001
 CLAIM_SPREAD_MAX_S = 1.0
 WARM_REFILL_AFTER_S = 5.0
+PROGRESS_EVERY_S = 10.0
 
 
 class Phase(enum.Enum):
@@ -77,6 +80,8 @@ class RoundRun:
     drain_asked: int = 0  # the drain our workers were asked for (0: none, or withdrawn)
     drain_answered: int = 0  # the drain our answer is in etcd for
     refill_warm_at: float | None = None  # when to pre-start the next round's warm workers (monotonic)
+    progress_step: int | None = None  # the last step recorded in the membership log this round
+    progress_at: float = 0.0  # when it was recorded (monotonic)
 
     @property
     def round(self) -> int:
@@ -222,6 +227,11 @@ class AnswerRollCall:
     nonce: str
 
 
+@dataclass(frozen=True)
+class RecordProgress:
+    step: int
+
+
 RoundAction = (
     EnterRound
     | StartWorkers
@@ -233,6 +243,7 @@ RoundAction = (
     | FollowDrain
     | FollowStall
     | AnswerRollCall
+    | RecordProgress
 )
 
 
@@ -251,6 +262,7 @@ def next_action(
     workers_started: bool,
     reporting_hang: bool,
     done: frozenset[type],
+    latest_step: int | None = None,
 ) -> RoundAction | None:
     """The next thing to do in this step, skipping the kinds of action in `done` (already applied this step)."""
     entering = enters_round(facts, run)
@@ -279,7 +291,20 @@ def next_action(
         rollcall = facts.rollcalls.get(run.round)
         if rollcall is not None and run.answered_rollcall != rollcall.nonce and not reporting_hang:
             candidates.append(AnswerRollCall(nonce=rollcall.nonce))
+    progress = progress_to_record(run, latest_step, now)
+    if progress is not None:
+        candidates.append(progress)
     return next((action for action in candidates if type(action) not in done), None)
+
+
+def progress_to_record(run: RoundRun, latest_step: int | None, now: float) -> RecordProgress | None:
+    """Group rank 0's running workers reached a step the log does not have: the round's first at once, later ones
+    once PROGRESS_EVERY_S passed since the last."""
+    if run.member is None or run.member.group_rank != 0 or run.phase is not Phase.RUNNING or latest_step is None:
+        return None
+    if run.progress_step is not None and (latest_step <= run.progress_step or now - run.progress_at < PROGRESS_EVERY_S):
+        return None
+    return RecordProgress(step=latest_step)
 
 
 def refill_warm_at(now: float, longest_startup: float | None) -> float:

@@ -103,7 +103,7 @@ def format_table(events: Iterable[MembershipEvent], header: bool = True) -> str:
         for e in events
     ]
     titles = ("TIME", "ROUND", "EVENT", "NODE", "DETAILS")
-    widths = [23, 5, 13, max([len(r[3]) for r in rows] + [4])]
+    widths = [23, 5, 17, max([len(r[3]) for r in rows] + [4])]
     lines = []
     if header:
         lines.append("  ".join(t.ljust(w) for t, w in zip(titles, widths)) + "  " + titles[-1])

@@ -499,6 +499,11 @@ class JobStore:
             [self._round_unchanged(round_revision)], [self._tx.put(key, report.dumps()), event_put], key
         )
 
+    def record_progress(self, round_: int, round_revision: int, node: str, step: int) -> bool:
+        """A training_progress event: the workers of round `round_` reached `step` (only while it is current)."""
+        key, put = self._event(new_event("training_progress", round=round_, node=node, step=step), node)
+        return self._commit([self._round_unchanged(round_revision)], [put], key, deadline_s=_STEP_DEADLINE_S)
+
     def clear_stalled(self, round_: int, round_revision: int, node: str) -> None:
         """Our workers beat again (or exited): the stall is over."""
         stalled = self.keys.report(round_, ReportKind.STALLED, node)

@@ -332,6 +332,7 @@ EventName = Literal[
     "drain_committed",
     "drain_timed_out",
     "controller_lost",
+    "training_progress",
 ]
 TERMINAL_EVENTS = {"job_finished", "job_failed"}
 
@@ -356,7 +357,8 @@ class MembershipEvent(BaseModel):
     # worker_hung, workers_stalled: how long it had been (they had all been) silent when the watchdog acted
     seconds_silent: float | None = None
     last_step: int | None = None  # worker_hung, workers_stalled: the last step reported
-    step: int | None = None  # drain_committed: the step the workers checkpointed before the change
+    # drain_committed: the step the workers checkpointed before the change; training_progress: the newest step
+    step: int | None = None
     revision: int | None = None  # etcd revision: the order of the log, filled in when read back
 
     def dumps(self) -> str:

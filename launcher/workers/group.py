@@ -203,6 +203,10 @@ class WorkerGroup:
         """Every worker silent for several of its step intervals, as of the last poll (watchdog_rules.stall_of)."""
         return self.watchdog.stall
 
+    def latest_step(self) -> int | None:
+        """The newest step this node's workers reported through heartbeat (None: none yet)."""
+        return self.watchdog.latest_step()
+
     def reporting_hang(self) -> bool:
         """A worker found hung is being dumped and killed; its failure follows within seconds."""
         return self.watchdog.acting()

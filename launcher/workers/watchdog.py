@@ -116,6 +116,11 @@ class Watchdog:
             except OSError as exc:
                 logger.warning("could not ask worker %s for a drain: %s", worker.path.parent.name, exc)
 
+    def latest_step(self) -> int | None:
+        """The newest step any worker passed to heartbeat (None: none yet, or no channel can be read)."""
+        snapshots = [channel.read(w.view) for w in self.workers if self._open(w)]
+        return max((s.last_step for s in snapshots if s is not None and s.last_step is not None), default=None)
+
     def drain_states(self) -> list[channel.DrainState | None]:
         """What each worker said of drains (None: its channel cannot be read)."""
         return [channel.read_drain(w.view) if self._open(w) else None for w in self.workers]

@@ -8,7 +8,17 @@ import sys
 import pytest
 from launcher_harness import elastic_run_command
 
-from launcher.commands.timeline import Mark, marks, round_spans, world_size_steps
+from launcher.commands.timeline import (
+    Mark,
+    Pause,
+    assign_lanes,
+    marks,
+    pauses,
+    progress,
+    round_spans,
+    timeline_figure,
+    world_size_steps,
+)
 from launcher.rendezvous.membership_log import MembershipEvent
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,6 +89,100 @@ def test_log_plot_writes_the_picture_from_a_membership_file(tmp_path, suffix, ma
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"wrote {out}: 9 events, 2 rounds, 3 nodes"
     assert out.read_bytes().startswith(magic) and out.stat().st_size > 5000
+
+
+def events_at(*rows: tuple[str, float, dict]) -> list[MembershipEvent]:
+    return [MembershipEvent(event=name, time=AT + offset, **fields) for name, offset, fields in rows]
+
+
+def step(at: float, number: int, round_: int = 0) -> tuple[str, float, dict]:
+    return ("training_progress", at, dict(round=round_, node="a", step=number))
+
+
+def start(at: float, round_: int) -> tuple[str, float, dict]:
+    return ("round_started", at, dict(round=round_, world_size=4, reason="node_lost"))
+
+
+@pytest.mark.parametrize(
+    "case, rows, expected",
+    [
+        ("the first round is the start, not a pause", [start(1, 0), step(3, 1)], []),
+        (
+            "a failure pauses training until the next round's first step",
+            [start(1, 0), step(3, 1), step(13, 90), ("worker_failed", 15, dict(round=0)), start(15.1, 1), step(16, 91)],
+            [Pause(AT + 15, AT + 16, (1,))],
+        ),
+        (
+            "a loss and the replacement's scale-up before any step: one pause, two rounds",
+            [start(1, 0), step(3, 1), ("node_lost", 10, {}), start(10.1, 1), start(12, 2), step(14, 50)],
+            [Pause(AT + 10, AT + 14, (1, 2))],
+        ),
+        (
+            "a joiner alone does not stop training; its round does",
+            [start(1, 0), step(3, 1), ("node_joined", 5, dict(node="d")), start(8, 1), step(9.5, 20)],
+            [Pause(AT + 8, AT + 9.5, (1,))],
+        ),
+        (
+            "no step after the last change: open-ended",
+            [start(1, 0), step(3, 1), ("drain_requested", 6, {}), start(7, 1)],
+            [Pause(AT + 6, None, (1,))],
+        ),
+        (
+            "a stall that ends without a new round is not a change's pause",
+            [start(1, 0), step(3, 1), ("workers_stalled", 5, {}), step(9, 5)],
+            [],
+        ),
+    ],
+)
+def test_each_change_pauses_from_its_first_report_to_the_next_step(case, rows, expected):
+    assert pauses(events_at(*rows)) == expected, case
+
+
+def test_progress_is_read_from_training_progress_events():
+    times, steps = progress(events_at(start(1, 0), step(3, 1), ("node_lost", 4, {}), step(5, 7, 1)))
+    assert ([t - AT for t in times], steps) == ([3, 5], [1, 7])
+
+
+@pytest.mark.parametrize(
+    "case, spans, lanes, expected",
+    [
+        ("apart: all in the first lane", [(0, 10), (20, 30)], 2, [0, 0]),
+        ("overlapping: the next lane", [(0, 10), (5, 15), (16, 20)], 2, [0, 1, 0]),
+        ("closer than the gap counts as overlapping", [(0, 10), (12, 20)], 1, [0, None]),
+        ("every lane taken: left out", [(0, 10), (1, 11), (2, 12)], 2, [0, 1, None]),
+    ],
+)
+def test_labels_take_the_first_free_lane_or_are_left_out(case, spans, lanes, expected):
+    assert assign_lanes(spans, lanes, gap=4) == expected, case
+
+
+def test_twenty_rounds_in_a_minute_draw_labels_that_never_overlap(tmp_path):
+    pyplot = pytest.importorskip("matplotlib.pyplot")
+    rows = [start(0, 0), step(1, 1)]
+    for index in range(1, 21):  # a fault every 3 s: a failure, its round, its first step
+        at = index * 3.0
+        rows += [
+            ("worker_failed", at, dict(round=index - 1, node=f"node{index % 3}", rank=index % 6, exit_code=1)),
+            ("node_lost", at + 0.2, dict(round=index - 1, node=f"node{(index + 1) % 3}")),
+            start(at + 0.3, index),
+            step(at + 1.1, 10 * index, index),
+        ]
+    rows.append(("job_finished", 64.0, dict(round=20, world_size=4)))
+    figure = timeline_figure(events_at(*rows), "twenty rounds")
+    figure.savefig(tmp_path / "t.png")  # the labels as a reader sees them
+    renderer = figure.canvas.get_renderer()
+    labels = [text for axes in figure.axes for text in axes.texts if text.get_visible() and text.get_text()]
+    boxes = [text.get_window_extent(renderer) for text in labels]
+    assert len(labels) >= 20, "most labels still fit"
+    overlapping = [
+        (labels[i].get_text(), labels[j].get_text())
+        for i in range(len(boxes))
+        for j in range(i + 1, len(boxes))
+        if boxes[i].overlaps(boxes[j])
+    ]
+    assert not overlapping
+    assert "labels left out" in figure.axes[0].get_title()
+    pyplot.close(figure)
 
 
 def test_without_matplotlib_the_plot_names_the_extra(tmp_path):

@@ -21,6 +21,7 @@ from launcher.node.rules import (
     Leave,
     Phase,
     PollWorkers,
+    RecordProgress,
     RefillWarmPool,
     Rejoin,
     Report,
@@ -100,14 +101,27 @@ def facts(**fields) -> RoundFacts:
     return RoundFacts(header=HEADER, header_revision=7, **fields)
 
 
-def actions(facts_: RoundFacts, run_: RoundRun | None, now: float = 0.0, started: bool = False, hang: bool = False):
+def actions(
+    facts_: RoundFacts,
+    run_: RoundRun | None,
+    now: float = 0.0,
+    started: bool = False,
+    hang: bool = False,
+    latest_step: int | None = None,
+):
     """Every action of one step, in order, as the agent takes them when applying changes nothing; entering a round
     changes everything, so the step's table ends there."""
     done: set[type] = set()
     taken = []
     while (
         action := rules.next_action(
-            facts_, run_, now=now, workers_started=started, reporting_hang=hang, done=frozenset(done)
+            facts_,
+            run_,
+            now=now,
+            workers_started=started,
+            reporting_hang=hang,
+            done=frozenset(done),
+            latest_step=latest_step,
         )
     ) is not None:
         done.add(type(action))
@@ -251,3 +265,33 @@ def test_standby_controllers_spread_their_claims_by_the_size_of_the_round(member
 @pytest.mark.parametrize("longest, expected", [(None, 105.0), (1.0, 105.0), (4.0, 108.0)])
 def test_the_warm_pool_refills_once_the_round_is_past_its_start_up(longest, expected):
     assert rules.refill_warm_at(100.0, longest) == expected
+
+
+@pytest.mark.parametrize(
+    "case, run_, latest_step, now, expected",
+    [
+        ("group rank 0, the round's first step: at once", run(Phase.RUNNING, MEMBER0), 41, 0.0, 41),
+        ("no step reported yet", run(Phase.RUNNING, MEMBER0), None, 0.0, None),
+        ("another node's agent never records", run(Phase.RUNNING, MEMBER1), 41, 0.0, None),
+        ("a spare has no steps", run(Phase.SPARE, None), 41, 0.0, None),
+        ("workers still starting", run(Phase.STARTING, MEMBER0), 41, 0.0, None),
+        ("workers exited", run(Phase.FINISHED, MEMBER0), 41, 0.0, None),
+        (
+            "a newer step 9.9 s later: not yet",
+            run(Phase.RUNNING, MEMBER0, progress_step=41, progress_at=1.0),
+            90,
+            10.9,
+            None,
+        ),
+        ("a newer step 10 s later", run(Phase.RUNNING, MEMBER0, progress_step=41, progress_at=1.0), 90, 11.0, 90),
+        ("no newer step, however long", run(Phase.RUNNING, MEMBER0, progress_step=41, progress_at=1.0), 41, 99.0, None),
+    ],
+)
+def test_progress_is_recorded_by_group_rank_0_at_a_bounded_rate(case, run_, latest_step, now, expected):
+    action = rules.progress_to_record(run_, latest_step, now)
+    assert (action.step if action is not None else None) == expected, case
+
+
+def test_progress_is_the_last_action_of_a_step():
+    taken = actions(facts(masters={3: MASTER}), run(Phase.RUNNING, MEMBER0, acknowledged=True), latest_step=5)
+    assert taken == [PollWorkers(), FollowDrain(request=None), FollowStall(), RecordProgress(step=5)]
