@@ -1,7 +1,7 @@
 """Transformers' Trainer and Lightning under elastic-run with ElasticCallback: a node SIGKILLed mid-run costs at most
-one step, and the data order is the same at 3 and at 2 ranks.
+one step, and the data order is the same at 2 ranks and at 1.
 
-Each test runs its example (examples/integrations/) as a user would: 3 agents x 1 worker on a real etcd, a tiny model,
+Each test runs its example (examples/integrations/) as a user would: 2 agents x 1 worker on a real etcd, a tiny model,
 a snapshot in node memory every step and a disk checkpoint every 20 steps, so that without the snapshots the kill at
 step 8 would redo every step since step 0. The frameworks are in the `test` extra; without them a test skips with the
 command that installs them.
@@ -22,8 +22,9 @@ from launcher_harness import FAST_RDZV, REPO, Cluster
 pytestmark = pytest.mark.slow
 
 INSTALL = "pip install torch==2.13.0 -e '.[frameworks]'"
-# round 0 forms once all three joined, however slowly a loaded machine starts the third agent
-ALL_THREE = FAST_RDZV.replace("last_call_timeout=1", "last_call_timeout=60")
+# round 0 forms once both joined, however slowly a loaded machine starts the second agent; two nodes, not three, keep
+# the two tests within a minute on 2 cores (a cold worker imports its framework in 5-10 s, three at once take longer)
+BOTH = FAST_RDZV.replace("last_call_timeout=1", "last_call_timeout=60")
 STEPS, GLOBAL_BATCH, KILL_AFTER = 30, 12, 8
 
 
@@ -42,14 +43,13 @@ def ranks_at(sample_log: Path, step: int, world_size: int) -> bool:
 
 
 def kill_a_node_and_finish(cluster: Cluster, script: Path, args: list[str], sample_log: Path) -> dict:
-    """Three nodes train; the third is SIGKILLed (agent and worker) once step KILL_AFTER is done on all three ranks;
-    the other two finish. Returns what happened: steps redone, seconds from the kill to the first step done after it."""
-    agents = [cluster.start(n, args, nnodes="2:3", nproc=1, rdzv_conf=ALL_THREE, script=script) for n in "abc"]
-    cluster.wait_for(lambda: ranks_at(sample_log, KILL_AFTER, 3), 120, f"step {KILL_AFTER} at 3 ranks")
+    """Two nodes train; the second is SIGKILLed (agent and worker) once step KILL_AFTER is done on both ranks; the
+    first finishes alone. Returns what happened: steps redone, seconds from the kill to the first step done after it."""
+    agents = [cluster.start(n, args, nnodes="1:2", nproc=1, rdzv_conf=BOTH, script=script) for n in "ab"]
+    cluster.wait_for(lambda: ranks_at(sample_log, KILL_AFTER, 2), 120, f"step {KILL_AFTER} at 2 ranks")
     killed_at = time.time()
-    os.kill(agents[2].pid, signal.SIGKILL)
-    for agent in agents[:2]:
-        assert agent.wait(timeout=120) == 0, cluster.dump()
+    os.kill(agents[1].pid, signal.SIGKILL)
+    assert agents[0].wait(timeout=120) == 0, cluster.dump()
 
     logged = records(sample_log)
     before = {r["step"] for r in logged if r["round"] == 0}
@@ -58,7 +58,7 @@ def kill_a_node_and_finish(cluster: Cluster, script: Path, args: list[str], samp
     resumed = min(r["time"] for r in after) - killed_at
     print(f"\n{script.name}: steps redone after the kill: {redone}; first step done {resumed:.1f}s after the kill")
     assert len(redone) <= 1, f"steps {redone} redone: the newest snapshot in memory was not loaded"
-    assert {r["world_size"] for r in after} == {2}
+    assert {r["world_size"] for r in after} == {1}
     assert min(r["step"] for r in after) >= KILL_AFTER, "resumed from before the last step every rank had done"
 
     # the last round that ran each step: what the final model was trained on
@@ -73,7 +73,7 @@ def kill_a_node_and_finish(cluster: Cluster, script: Path, args: list[str], samp
     for step in redone:  # a redone step trains on the samples it had: the order does not depend on the world size
         first = {i for r in logged if r["step"] == step and r["round"] == 0 for i in r["samples"]}
         assert first <= {i for r in final[step] for i in r["samples"]}
-    assert [e["node"] for e in cluster.events("node_lost")] == ["c"]
+    assert [e["node"] for e in cluster.events("node_lost")] == ["b"]
     return {"redone": redone, "resumed_s": resumed}
 
 
@@ -94,3 +94,22 @@ def test_a_transformers_trainer_job_loses_a_node_and_redoes_at_most_one_step(clu
         str(sample_log),
     ]
     kill_a_node_and_finish(cluster, REPO / "examples" / "integrations" / "hf_trainer.py", args, sample_log)
+
+
+@pytest.mark.timeout(150)
+def test_a_lightning_ddp_job_loses_a_node_and_redoes_at_most_one_step(cluster, tmp_path):
+    needs("lightning")
+    sample_log = tmp_path / "samples.jsonl"
+    args = [
+        "--root-dir",
+        str(tmp_path / "root"),
+        "--steps",
+        str(STEPS),
+        "--global-batch",
+        str(GLOBAL_BATCH),
+        "--save-steps",
+        "20",
+        "--sample-log",
+        str(sample_log),
+    ]
+    kill_a_node_and_finish(cluster, REPO / "examples" / "integrations" / "lightning.py", args, sample_log)
