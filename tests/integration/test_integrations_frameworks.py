@@ -113,3 +113,24 @@ def test_a_lightning_ddp_job_loses_a_node_and_redoes_at_most_one_step(cluster, t
         str(sample_log),
     ]
     kill_a_node_and_finish(cluster, REPO / "examples" / "integrations" / "lightning.py", args, sample_log)
+
+
+@pytest.mark.timeout(10)
+def test_the_callbacks_refuse_bad_settings_in_one_line(tmp_path, monkeypatch):
+    """What both callbacks check at construction (elastic.integrations.callbacks; no framework imported)."""
+    from elastic.integrations.callbacks import ElasticCallbackError, check_settings
+
+    monkeypatch.delenv("ELASTIC_MEMORY_DIR", raising=False)
+    cases = {
+        "needs elastic-run's environment": (None, 1, None),
+        "does not exist": (tmp_path / "missing", 0, None),
+        "global_batch must be > 0": (None, 0, 0),
+        "memory_every must be >= 0": (None, -1, None),
+    }
+    for expected, (directory, memory_every, global_batch) in cases.items():
+        with pytest.raises(ElasticCallbackError, match=expected) as raised:
+            check_settings(directory, memory_every, global_batch)
+        assert "\n" not in str(raised.value)
+    assert check_settings(tmp_path, 0, 8) == tmp_path  # outside elastic-run, disk only
+    monkeypatch.setenv("ELASTIC_MEMORY_DIR", str(tmp_path))
+    assert check_settings(None, 1, None) is None
