@@ -327,7 +327,7 @@ def describe(
         dropped = sorted({r["step"] for r in records if not r["committed"] and r["time"] >= fault_time})
         parts.append(f"quorum {round_at_fault} -> {first.round}")
         if dropped:
-            parts.append(f"steps dropped by should_commit after the fault: {len(dropped)}")
+            parts.append(f"attempts dropped by should_commit after the fault (any group): {len(dropped)}")
     else:
         restarted = sorted({r["started"] for r in records if r["started"] > fault_time})
         if restarted:

@@ -2,6 +2,9 @@
 
     bench/run_all                      # or: python bench/run_all.py [--only recovery,checkpoint] [--out docs]
 
+With --only, the chosen sections are replaced in (or added to) the existing benchmarks.md and the others kept as
+they are; each replaced section says when and at which commit it ran.
+
 Each benchmark runs as its own process with settings small enough for the budget, and compares against the
 baseline it measures in the same run (torchrun, a raw write, a cold start, ...); this script only collects:
 the machine the figures came from, each benchmark's command, its printed tables, its duration and its plot.
@@ -92,6 +95,15 @@ BENCHMARKS = [
         90,
         "3 real elastic-run agents whose workers sleep, 10 s window, default flags (lease 1 s x 3)",
     ),
+    Benchmark(
+        "peers",
+        ["bench/peer_bench.py"],
+        900,
+        "torchft 0.2.0, NVIDIA nvidia-resiliency-ext 0.4.1 (ft_launcher) and elastic-run on one host, each 3 nodes "
+        "x 2 ranks of examples/train.py's tiny GPT, global batch 32, the last node faulted at step 25; each peer "
+        "tuned for fast detection (settings printed below); needs the optional extra: pip install -e '.[peers]' "
+        "(with torch==2.13.0 on the same command line)",
+    ),
 ]
 
 
@@ -162,12 +174,35 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    path = args.out / "benchmarks.md"
+    if args.only and path.is_file():  # a partial run: the other sections stay as the last run wrote them
+        fresh = {}
+        for benchmark in chosen:
+            section = run(benchmark, args.out.resolve())
+            note = f"Run alone by `bench/run_all --only {args.only}` ({', '.join(machine()[:2]).replace('- ', '')})."
+            fresh[benchmark.name] = [*section[:2], note, "", *section[2:]]
+        path.write_text(merge(path.read_text(), fresh))
+        print(f"updated {', '.join(fresh)} in {path}")
+        return 0
     sections = [line for benchmark in chosen for line in run(benchmark, args.out.resolve())]
     minutes = (time.monotonic() - started) / 60
     header = ["# Benchmarks", "", f"Written by `bench/run_all` in {minutes:.1f} minutes, on this machine:", ""]
-    (args.out / "benchmarks.md").write_text("\n".join([*header, *machine(), "", *sections]))
-    print(f"wrote {args.out / 'benchmarks.md'}")
+    path.write_text("\n".join([*header, *machine(), "", *sections]))
+    print(f"wrote {path}")
     return 0
+
+
+def merge(existing: str, fresh: dict[str, list[str]]) -> str:
+    """`existing` benchmarks.md with the sections named in `fresh` replaced (in place) or appended (in BENCHMARKS
+    order); the header and every other section kept as they are."""
+    lines = existing.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("## ")]
+    preamble = lines[: starts[0]] if starts else lines
+    sections = {lines[i][3:].strip(): lines[i:end] for i, end in zip(starts, [*starts[1:], len(lines)])}
+    for name in (b.name for b in BENCHMARKS):
+        if name in fresh:
+            sections[name] = fresh[name]
+    return "\n".join([*preamble, *(line for section in sections.values() for line in section)]).rstrip() + "\n"
 
 
 if __name__ == "__main__":
