@@ -132,6 +132,7 @@ class MemorySnapshots:
         self._written = MappedFiles(KEEP)
         self._copy: threading.Thread | None = None
         self._copy_error: BaseException | None = None
+        self._copied: int | None = None  # the newest own step whose part reached the next node
 
     @property
     def nodes(self) -> int:
@@ -210,7 +211,9 @@ class MemorySnapshots:
         if not self.is_leader:
             return
         held = sorted(_steps(self.root / "own"))
-        if not folder.is_dir() and len(held) >= KEEP:
+        # while the newest's copy failed (its next node died during it), the oldest is the newest whose part the
+        # next node holds: kept, it is what the survivors load if this save never completes
+        if not folder.is_dir() and len(held) >= KEEP and (self._copied is None or held[0] != self._copied):
             oldest = self._own(held[0])
             (oldest / RECORD).unlink(missing_ok=True)  # it stops counting before a byte of it changes
             oldest.rename(folder)
@@ -329,6 +332,7 @@ class MemorySnapshots:
             _complete(operations)
             for name, _ in theirs:
                 _partial(peer / name).replace(peer / name)
+            self._copied = record.step
             for other in peer.parent.iterdir():
                 if other != peer:
                     shutil.rmtree(other, ignore_errors=True)

@@ -238,3 +238,20 @@ def test_a_new_snapshot_is_written_over_the_oldest_files_never_over_a_peer_copy(
     assert newest is not None and newest.step == 4
     snapshots.load(newest, state)
     assert torch.equal(model.weight, saved)
+
+
+def test_a_snapshot_after_a_failed_copy_keeps_the_last_one_the_next_node_holds(tmp_path: Path) -> None:
+    """The next node died while step 2's part was copied to it, after step 1's had arrived: preparing step 3 (which
+    the dead node's peers may never complete) takes a new folder, so step 1 stays whole, the newest snapshot the
+    survivors can assemble; once a copy succeeded again, the oldest folder is written over as before."""
+    snapshots = MemorySnapshots(tmp_path, Ranks(None), None)
+    state = {"model": ModelState(torch.nn.Linear(4, 4))}
+    own = tmp_path / "own"
+    for step in (1, 2):
+        snapshots.save(step, state)
+    snapshots._copied = 1  # what the copy thread records; step 2's copy failed
+    snapshots._prepare(snapshots._own(3))
+    assert (own / "step-1" / RECORD).is_file() and (own / "step-3").is_dir()
+    snapshots._copied = 3
+    snapshots._prepare(snapshots._own(4))
+    assert not (own / "step-1").exists() and (own / "step-4").is_dir()
