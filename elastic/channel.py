@@ -188,7 +188,7 @@ def parse(raw: bytes) -> Snapshot | None:
         dump_signal=dump_signal,
         seq=seq,
         beats=beats,
-        last_step=None if last_step == NO_STEP else last_step,
+        last_step=None if last_step == NO_STEP or not beats else last_step,  # a blank channel is all zeros
         intervals=intervals,
         long_op=long_op,
     )

@@ -306,7 +306,8 @@ def fresh_channel(tmp_path):
 @pytest.mark.timeout(10)
 def test_heartbeats_record_steps_and_the_intervals_between_them(fresh_channel):
     writer, clock, view, _ = fresh_channel
-    assert channel.read(view).beats == 0 and channel.read(view).pid == os.getpid()
+    blank = channel.read(view)
+    assert (blank.beats, blank.last_step, blank.pid) == (0, None, os.getpid())  # no step yet, not step 0
     for advance, step in ((0.0, 0), (1.0, 1), (2.0, 2)):
         clock.now += advance
         writer.beat(step)
