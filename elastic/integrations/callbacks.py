@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elastic.checkpoint import CheckpointManager
 from elastic.node_memory import MEMORY_DIR_ENV
-from elastic.sampling import ElasticSampler, SamplingConfig
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint takes seconds to import: only where a callback starts training
+    from elastic.checkpoint import CheckpointManager
+    from elastic.sampling import ElasticSampler
 
 
 class ElasticCallbackError(RuntimeError):
@@ -51,6 +53,8 @@ def world_from_env() -> tuple[int, int]:
 
 def elastic_sampler(dataset_size: int, global_batch: int, seed: int) -> ElasticSampler:
     """A batch sampler of one pass per step: this rank's part of a global batch fixed by (seed, step) alone."""
+    from elastic.sampling import ElasticSampler, SamplingConfig
+
     if global_batch > dataset_size:
         raise ElasticCallbackError(f"global_batch ({global_batch}) exceeds the dataset's {dataset_size} samples")
     rank, world_size = world_from_env()
@@ -65,6 +69,8 @@ def elastic_sampler(dataset_size: int, global_batch: int, seed: int) -> ElasticS
 
 def manager(directory: Path, every: int, memory_every: int, keep: int) -> CheckpointManager:
     """The callbacks' CheckpointManager: disk every ``every`` steps (asynchronous), memory every ``memory_every``."""
+    from elastic.checkpoint import CheckpointManager
+
     directory.mkdir(parents=True, exist_ok=True)
     return CheckpointManager(directory, keep=keep, async_save=True, every=every, memory_every=memory_every)
 

@@ -115,7 +115,7 @@ def test_a_lightning_ddp_job_loses_a_node_and_redoes_at_most_one_step(cluster, t
     kill_a_node_and_finish(cluster, REPO / "examples" / "integrations" / "lightning.py", args, sample_log)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(60)
 def test_the_callbacks_refuse_bad_settings_in_one_line(tmp_path, monkeypatch):
     """What both callbacks check at construction (elastic.integrations.callbacks; no framework imported)."""
     from elastic.integrations.callbacks import ElasticCallbackError, check_settings
