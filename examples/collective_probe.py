@@ -32,6 +32,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50, help="collectives to complete before exiting 0")
     parser.add_argument("--step-time", type=float, default=0.2, help="seconds of 'compute' between collectives")
     parser.add_argument("--log", default=None, help="append one JSON line per completed collective here")
+    parser.add_argument(
+        "--stop-file",
+        default=None,
+        help="end early, every rank after the same collective, once this file exists (for tests that end a job "
+        "when they have seen enough)",
+    )
     parser.add_argument("--fail-rank", type=int, default=None, help="this rank raises at --fail-step ...")
     parser.add_argument("--fail-step", type=int, default=3)
     parser.add_argument("--fail-restarts", type=int, default=1, help="... while TORCHELASTIC_RESTART_COUNT < this")
@@ -46,13 +52,15 @@ def main() -> None:
     round_ = int(os.environ.get("ELASTIC_ROUND", "0"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     log = open(args.log, "a") if args.log else None
+    completed = 0
     for step in range(args.steps):
         if rank == args.fail_rank and step == args.fail_step and restarts < args.fail_restarts:
             raise RuntimeError(f"injected failure at step {step} on rank {rank} (restart {restarts})")
-        value = torch.ones(1) * (rank + 1)
-        dist.all_reduce(value)
-        if value.item() != world_size * (world_size + 1) / 2:
-            raise RuntimeError(f"all_reduce gave {value.item()} in a world of {world_size}")
+        stop_seen = bool(args.stop_file) and os.path.exists(args.stop_file)
+        value = torch.tensor([rank + 1.0, float(stop_seen)])
+        dist.all_reduce(value)  # the second element: whether any rank saw the stop file, so all stop together
+        if value[0].item() != world_size * (world_size + 1) / 2:
+            raise RuntimeError(f"all_reduce gave {value[0].item()} in a world of {world_size}")
         if log:
             entry = dict(
                 time=time.time(),
@@ -67,9 +75,12 @@ def main() -> None:
             log.write(json.dumps(entry) + "\n")
             log.flush()
         heartbeat(step)
+        completed = step + 1
+        if value[1].item():
+            break
         time.sleep(args.step_time)
     dist.destroy_process_group()
-    print(f"rank {rank}/{world_size} done after {args.steps} collectives", file=sys.stderr)
+    print(f"rank {rank}/{world_size} done after {completed} collectives", file=sys.stderr)
 
 
 if __name__ == "__main__":

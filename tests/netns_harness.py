@@ -392,9 +392,10 @@ class PartitionNetwork(Network):
         leader = leaders.pop()
         return next((j for j, s in status.items() if s["id"] == leader), None)
 
-    def move_leader(self, member: int) -> None:
-        """Make `member` the etcd leader (etcdctl finds the current leader among the endpoints)."""
-        status = self.etcd_status()
+    def move_leader(self, member: int, members: list[int] | None = None) -> None:
+        """Make `member` the etcd leader (etcdctl finds the current leader among the endpoints of `members`, the
+        members still up; default all)."""
+        status = self.etcd_status(members)
         target = f"{status[member]['id']:x}"
         endpoints = ",".join(f"http://{self.member_endpoint(j)}" for j in status)
         result = self.run_in(self.observer_ns, [find_etcdctl(), "--endpoints", endpoints, "move-leader", target])

@@ -131,9 +131,23 @@ class Job:
                 str(STEP_TIME),
                 "--log",
                 str(self.probe_log(i)),
+                "--stop-file",
+                str(self.stop_file),
             ]
             self.agents.append(self.net.popen(ns, command, self.output_path(i), env=agent_env(), cwd=LAUNCHER_ROOT))
         return self
+
+    @property
+    def stop_file(self) -> Path:
+        return self.root / "stop-training"
+
+    def stop_training(self) -> None:
+        """The workers end together after their next collective: the test has seen what it waited for."""
+        self.stop_file.touch()
+
+    def nodes_training_since(self, since: float, world_size: int = 3) -> set[int]:
+        """The nodes with a collective at `world_size` after unix time `since`."""
+        return {c["node"] for c in self.collectives() if c["time"] > since and c["world_size"] == world_size}
 
     def probe_log(self, node: int) -> Path:
         return self.root / f"probe-node{node}.jsonl"
@@ -369,6 +383,14 @@ def _steer_leader(job: Job, net: PartitionNetwork) -> tuple[int, dict[int, set[i
     return target, connections
 
 
+def _leader_of(net: PartitionNetwork, members: list[int]) -> int:
+    deadline = time.monotonic() + 10
+    while (leader := net.etcd_leader(members)) is None:
+        assert time.monotonic() < deadline, f"no etcd leader among m{members}: {net.etcd_status(members)}"
+        time.sleep(0.1)
+    return leader
+
+
 def _assert_undisturbed(job: Job, case: str, pids: dict[int, set[int]], fault_at: float, rcs: list[int | None]) -> None:
     """No worker restart and no membership change: one round, the same worker on every node, every agent exit 0."""
     events = job.membership()
@@ -405,40 +427,51 @@ def _wait_for_new_leader(net: PartitionNetwork, members: list[int], old: int, ol
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["cut", "kill", "move"])
-def test_etcd_leader_change_mid_run_changes_nothing(make_network, tmp_path, how):
-    """Case 3a: a 3-member etcd cluster at etcd's default timing (heartbeat 100 ms, election 1 s) changes its leader
-    (the member the controller talks to) while a job trains under elastic-run's default lease (3 s: a node fences
-    itself after 2.25 s without a confirmation). The leader is cut off silently for good, killed, or hands over
-    with `etcdctl move-leader`. A new leader must be elected, and then nothing else may happen: no fence, no new
-    round, the same workers. A silent cut is the hard case: followers hold the refreshes they forward to the dead
-    leader until the caller's deadline, so the agents' refreshes must not wait for each other."""
-    net = make_network(3, etcd_members=3, heartbeat_ms=100, election_ms=1000)
-    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=DEFAULT_LEASE_RDZV, steps=300).start()
+def test_etcd_leader_changes_mid_run_change_nothing(make_network, tmp_path):
+    """Case 3a: a 5-member etcd cluster at etcd's default timing (heartbeat 100 ms, election 1 s) changes its leader
+    three times while one job trains under elastic-run's default lease (3 s: a node fences itself after 2.25 s
+    without a confirmation). Each time the leader is the member the controller's agent talks to; it is cut off
+    silently for good, then killed, then hands over with `etcdctl move-leader` (five members outlive losing two).
+    Each time a new leader must be elected in a later term, and the job must train on past the time a fence would
+    have come; then nothing else may have happened: no fence, no new round, the same workers. A silent cut is the
+    hard case: followers hold the refreshes they forward to the dead leader until the caller's deadline, so the
+    agents' refreshes must not wait for each other."""
+    net = make_network(3, etcd_members=5, heartbeat_ms=100, election_ms=1000)
+    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=DEFAULT_LEASE_RDZV, steps=2000).start()
     job.wait_for(
         lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3,
         60,
         "every node training in round 0",
     )
-    leader, connections = _steer_leader(job, net)
-    term = net.etcd_status()[leader]["term"]
     pids = {i: job.worker_pids(i, round_=0) for i in range(3)}
-    others = [j for j in range(3) if j != leader]
-    fault_at = time.time()
-    if how == "cut":
-        net.cut_member(leader)
-    elif how == "kill":
-        net.kill_member(leader)
-    else:
-        net.move_leader(others[0])
-    elected, elected_s = _wait_for_new_leader(net, others, leader, term)
-    report(
-        f"etcd-leader-{how}",
-        f"{how} m{leader} (leader; agents' connections {connections}, controller node{job.controller_node()}); "
-        f"m{elected} leads within {elected_s:.1f}s",
-    )
+    alive = list(range(5))
+    first_fault_at = time.time()
+    for how in ("cut", "kill", "move"):
+        # first the member the controller's agent talks to; after a failover the agents hold connections to
+        # several members, so the later faults hit whichever member leads then
+        leader, connections = _steer_leader(job, net) if how == "cut" else (_leader_of(net, alive), {})
+        term = net.etcd_status(alive)[leader]["term"]
+        others = [j for j in alive if j != leader]
+        fault_at = time.time()
+        if how == "cut":
+            net.cut_member(leader)
+        elif how == "kill":
+            net.kill_member(leader)
+        else:
+            net.move_leader(others[0], alive)
+        elected, elected_s = _wait_for_new_leader(net, others, leader, term)
+        if how != "move":
+            alive = others
+        report(
+            "etcd-leader-changes",
+            f"{how} m{leader} (leader; agents' connections {connections}, controller node{job.controller_node()}); "
+            f"m{elected} leads within {elected_s:.1f}s",
+        )
+        # past a fence's deadline (2.25 s without a confirmation), every node still trains in round 0
+        job.wait_for(lambda at=fault_at + 3.0: job.nodes_training_since(at) == {0, 1, 2}, 30, f"training after {how}")
+    job.stop_training()
     rcs = job.wait_exit(timeout=60)
-    _assert_undisturbed(job, f"etcd-leader-{how}", pids, fault_at, rcs)
+    _assert_undisturbed(job, "etcd-leader-changes", pids, first_fault_at, rcs)
 
 
 @pytest.mark.timeout(300)
@@ -447,7 +480,7 @@ def test_etcd_quorum_lost_briefly_changes_nothing(make_network, tmp_path):
     the third member loses its leader (no quorum: no write and no lease expiry can happen); once the two are back,
     the workers still run and the membership is unchanged."""
     net = make_network(3, etcd_members=3)
-    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=SLOW_RDZV, steps=300).start()
+    job = Job(net, tmp_path, nnodes="2:3", rdzv_conf=SLOW_RDZV, steps=2000).start()
     job.wait_for(
         lambda: len({c["node"] for c in job.collectives() if c["world_size"] == 3}) == 3,
         60,
@@ -477,6 +510,9 @@ def test_etcd_quorum_lost_briefly_changes_nothing(make_network, tmp_path):
         f"{connections}); m{third} without a leader {leaderless_s:.1f}s after the cut, a leader again "
         f"{time.time() - heal_at:.1f}s after the heal",
     )
+    # past the whole 6 s lease from the cut: a fence or an expiry would have come by then
+    job.wait_for(lambda: job.nodes_training_since(cut_at + 6.0) == {0, 1, 2}, 30, "training a lease after the cut")
+    job.stop_training()
     rcs = job.wait_exit(timeout=60)
     _assert_undisturbed(job, "etcd-quorum-lost", pids, cut_at, rcs)
 
