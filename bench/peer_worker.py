@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "examples"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from train import GPT, CharWindows, append_sample_log, generate_corpus, parse_config  # noqa: E402
+from train import GPT, CharWindows, append_sample_log, generate_corpus, parse_config  # type: ignore[import-not-found]  # noqa: E402
 
 from elastic.rng import sample_generator  # noqa: E402
 
@@ -86,7 +86,7 @@ def log_step(args: argparse.Namespace, **fields: object) -> None:
 
 def run_torchft(args: argparse.Namespace, config, model: GPT, dataset: CharWindows) -> None:
     from torch.distributed import TCPStore
-    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+    from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo  # type: ignore[import-untyped,import-not-found]
 
     group = int(os.environ["REPLICA_GROUP_ID"])
     dist.init_process_group("gloo")  # within the replica group: torchrun's store and ranks
@@ -157,7 +157,7 @@ def run_torchft(args: argparse.Namespace, config, model: GPT, dataset: CharWindo
 
 
 def run_nvrx(args: argparse.Namespace, config, model: GPT, dataset: CharWindows) -> None:
-    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient  # type: ignore[import-untyped,import-not-found]
 
     monitor = RankMonitorClient()
     monitor.init_workload_monitoring()
