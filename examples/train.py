@@ -15,7 +15,6 @@ current world size.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import random
@@ -42,6 +41,7 @@ try:
     from elastic.checkpoint import CheckpointManager, ModelState
     from elastic.devices import BackendChoice, DeviceChoice, PlacementError, placement_here
     from elastic.rng import derive_seed, per_sample_dropout, sample_generator, seed_all
+    from elastic.sample_log import append_sample_log
     from elastic.sampling import ElasticSampler, MicroBatch, SamplingConfig
     from elastic.schedule import GlobalStepLR, WarmupCosineConfig, warmup_cosine
 except ImportError as exc:
@@ -290,15 +290,6 @@ def train_step(
             loss_sum += sample_losses.sum().item()
             samples.extend(micro_batch.indices)
     return loss_sum, samples
-
-
-def append_sample_log(path: Path, record: dict) -> None:
-    # One write() on an O_APPEND descriptor: lines from concurrent ranks never interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 @record  # an uncaught exception lands in TORCHELASTIC_ERROR_FILE: the launcher's failure summary shows it

@@ -13,7 +13,6 @@ back. With --plain the Trainer runs unchanged: it resumes from its own last chec
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from transformers.trainer_utils import get_last_checkpoint
 
 from elastic.integrations.hf import ElasticCallback
+from elastic.sample_log import append_sample_log
 
 
 class TokenWindows(Dataset):
@@ -61,11 +61,7 @@ class SampleLog(TrainerCallback):
             "samples": self.elastic.last_samples if self.elastic else [],
             "time": time.time(),
         }
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(record) + "\n").encode())  # one write: lines of concurrent ranks never mix
-        finally:
-            os.close(fd)
+        append_sample_log(self.path, record)
 
 
 def main() -> None:

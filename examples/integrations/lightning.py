@@ -14,7 +14,6 @@ every --save-steps; a new round after a node loss resumes from the newest snapsh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from elastic.integrations.lightning import ElasticCallback  # noqa: E402
+from elastic.sample_log import append_sample_log  # noqa: E402
 
 
 class TokenWindows(Dataset):
@@ -87,11 +87,7 @@ class SampleLog(pl.Callback):
             "samples": self.elastic.last_samples if self.elastic else [],
             "time": time.time(),
         }
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps(record) + "\n").encode())  # one write: lines of concurrent ranks never mix
-        finally:
-            os.close(fd)
+        append_sample_log(self.path, record)
 
 
 def main() -> None:
