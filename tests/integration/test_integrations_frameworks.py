@@ -78,11 +78,19 @@ def kill_a_node_and_finish(cluster: Cluster, script: Path, args: list[str], samp
 
 
 @pytest.mark.timeout(150)
-def test_a_transformers_trainer_job_loses_a_node_and_redoes_at_most_one_step(cluster, tmp_path):
-    needs("transformers", "accelerate")
+@pytest.mark.parametrize(
+    "script, folder_flag, modules",
+    [
+        ("hf_trainer.py", "--output-dir", ("transformers", "accelerate")),
+        ("lightning.py", "--root-dir", ("lightning",)),
+    ],
+    ids=["transformers-trainer", "lightning-ddp"],
+)
+def test_a_framework_job_loses_a_node_and_redoes_at_most_one_step(cluster, tmp_path, script, folder_flag, modules):
+    needs(*modules)
     sample_log = tmp_path / "samples.jsonl"
     args = [
-        "--output-dir",
+        folder_flag,
         str(tmp_path / "out"),
         "--steps",
         str(STEPS),
@@ -93,26 +101,7 @@ def test_a_transformers_trainer_job_loses_a_node_and_redoes_at_most_one_step(clu
         "--sample-log",
         str(sample_log),
     ]
-    kill_a_node_and_finish(cluster, REPO / "examples" / "integrations" / "hf_trainer.py", args, sample_log)
-
-
-@pytest.mark.timeout(150)
-def test_a_lightning_ddp_job_loses_a_node_and_redoes_at_most_one_step(cluster, tmp_path):
-    needs("lightning")
-    sample_log = tmp_path / "samples.jsonl"
-    args = [
-        "--root-dir",
-        str(tmp_path / "root"),
-        "--steps",
-        str(STEPS),
-        "--global-batch",
-        str(GLOBAL_BATCH),
-        "--save-steps",
-        "20",
-        "--sample-log",
-        str(sample_log),
-    ]
-    kill_a_node_and_finish(cluster, REPO / "examples" / "integrations" / "lightning.py", args, sample_log)
+    kill_a_node_and_finish(cluster, REPO / "examples" / "integrations" / script, args, sample_log)
 
 
 @pytest.mark.timeout(60)
