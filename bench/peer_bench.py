@@ -260,7 +260,7 @@ def run_peer(system: str, fault: str, args: argparse.Namespace) -> Result:
             lost_steps(system, log.collectives, fault_time, first),
             first.world_size,
             rate,
-            describe(system, log.collectives, fault_time, round_at_fault, first, full),
+            describe(system, log.collectives, fault_time, round_at_fault, first, full, fault, args.deadline),
         )
     finally:
         job.stop()
@@ -320,7 +320,14 @@ def lost_steps(system: str, records: list[dict], fault_time: float, first: Step)
 
 
 def describe(
-    system: str, records: list[dict], fault_time: float, round_at_fault: int, first: Step, full: Step | None
+    system: str,
+    records: list[dict],
+    fault_time: float,
+    round_at_fault: int,
+    first: Step,
+    full: Step | None,
+    fault: str,
+    deadline: float,
 ) -> str:
     before = [r["step"] for r in records if r["time"] <= fault_time and r["committed"]]
     parts = [f"fault at step {max(before, default=0)}; next committed step {first.step} at world {first.world_size}"]
@@ -335,6 +342,8 @@ def describe(
             parts.append(f"workers restarted +{restarted[0] - fault_time:.2f} s")
     if full is not None:
         parts.append(f"world {FULL_WORLD} again +{full.time - fault_time:.2f} s")
+    elif fault == "crash" and first.world_size < FULL_WORLD:
+        parts.append(f"world {FULL_WORLD} not again within {deadline:.0f} s")
     return "; ".join(parts)
 
 
