@@ -36,9 +36,10 @@ sys.path.insert(0, str(REPO / "examples"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from train import GPT, CharWindows, append_sample_log, generate_corpus, parse_config  # type: ignore[import-not-found]  # noqa: E402
+from train import GPT, CharWindows, generate_corpus, parse_config  # type: ignore[import-not-found]  # noqa: E402
 
 from elastic.rng import sample_generator  # noqa: E402
+from elastic.sample_log import append_sample_log  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
