@@ -188,6 +188,11 @@ class Cluster:
                 pass
 
 
+def membership_changes(log: list[dict]) -> list[dict]:
+    """The log without training_progress: the events whose order a test can state exactly."""
+    return [e for e in log if e["event"] != "training_progress"]
+
+
 def events(agent: Agent, name: str) -> list[dict]:
     return [e for e in agent.membership() if e["event"] == name]
 

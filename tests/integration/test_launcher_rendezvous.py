@@ -14,7 +14,7 @@ import subprocess
 import time
 
 import pytest
-from launcher_harness import FAST_RDZV, REPO, elastic_run_command, events, pid_alive
+from launcher_harness import FAST_RDZV, REPO, elastic_run_command, events, membership_changes, pid_alive
 
 from launcher.etcd import client as etcd_client
 from launcher.rendezvous.protocol import JobKeys, JobStore
@@ -253,11 +253,13 @@ def test_workers_train_through_an_etcd_outage_without_a_restart(cluster, etcd, o
     assert any(down_at < c["time"] < up_at for c in collectives), "the workers trained while etcd was away"
 
     log = agent.membership()
-    assert [(e["event"], e.get("round")) for e in log] == [
+    assert [(e["event"], e.get("round")) for e in membership_changes(log)] == [
         ("node_joined", None),
         ("round_started", 0),
         ("job_finished", 0),
     ], log
+    progress = [e["step"] for e in log if e["event"] == "training_progress"]
+    assert progress and progress == sorted(progress) and progress[-1] < 80, log
     assert "killing the workers" not in agent.text() and "lost its membership" not in agent.text()
 
 
@@ -344,7 +346,7 @@ def test_trimming_never_drops_an_event_before_the_controllers_log_has_it(cluster
     probe = cluster.probe(6, 0.05, "--fail-rank", "1", "--fail-step", "2", "--fail-restarts", "1")
     agent = cluster.start("solo", probe, nproc=2, rdzv_conf=FAST_RDZV + ",max_events=1", extra=["--max-restarts", "1"])
     assert agent.wait(timeout=90) == 0, cluster.dump()
-    names = [e["event"] for e in agent.membership()]
+    names = [e["event"] for e in membership_changes(agent.membership())]
     assert [n for n in names if n != "worker_failed"] == [
         "node_joined",
         "round_started",
