@@ -49,6 +49,15 @@ def refresh_due(times: RefreshTimes, now: float, interval: float) -> bool:
     return now - times.confirmed >= OVERDUE_AFTER_INTERVALS * interval and since_sent >= interval / 4
 
 
+def next_check_at(times: RefreshTimes, interval: float) -> float | None:
+    """The earliest time `refresh_due` says yes; None while MAX_IN_FLIGHT refreshes are unanswered (only an answer
+    changes that). The keeper sleeps until then or an answer, so a healthy lease costs one wake-up per interval."""
+    if times.in_flight >= MAX_IN_FLIGHT:
+        return None
+    overdue_from = times.confirmed + OVERDUE_AFTER_INTERVALS * interval
+    return min(times.sent + interval, max(overdue_from, times.sent + interval / 4))
+
+
 class LeaseKeeper:
     """Refreshes `lease` every `interval` seconds until stopped; calls `on_lost` once if etcd no longer has it.
 
@@ -73,6 +82,7 @@ class LeaseKeeper:
         now = time.monotonic()
         self._times = RefreshTimes(sent=now, confirmed=now, in_flight=0)  # granted counts as confirmed
         self._stop = threading.Event()
+        self._answered = threading.Event()  # a refresh finished: the next check may be sooner
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._attempts = ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix=f"{name}-call")
 
@@ -82,6 +92,7 @@ class LeaseKeeper:
 
     def stop(self) -> None:
         self._stop.set()
+        self._answered.set()
         self._attempts.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -94,7 +105,13 @@ class LeaseKeeper:
         return time.monotonic() - self._times.confirmed
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval / 4):
+        while not self._stop.is_set():
+            with self._lock:
+                wake_at = next_check_at(self._times, self.interval)
+            self._answered.wait(None if wake_at is None else max(0.0, wake_at - time.monotonic()))
+            self._answered.clear()
+            if self._stop.is_set():
+                return
             now = time.monotonic()
             with self._lock:
                 if not refresh_due(self._times, now, self.interval):
@@ -122,6 +139,7 @@ class LeaseKeeper:
             gone = responses is not None and len(responses) > 0 and responses[0].TTL <= 0
             gone = gone and not self.lost and not self._stop.is_set()
             self.lost = self.lost or gone
+        self._answered.set()
         if confirmed - previous >= OVERDUE_AFTER_INTERVALS * self.interval:
             logger.info("etcd confirmed lease %x again, %.1fs after the last time", self.lease.id, confirmed - previous)
         if gone:

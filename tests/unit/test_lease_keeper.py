@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.etcd.errors import EtcdUnavailable
-from launcher.etcd.lease_keeper import MAX_IN_FLIGHT, LeaseKeeper, RefreshTimes, refresh_due
+from launcher.etcd.lease_keeper import MAX_IN_FLIGHT, LeaseKeeper, RefreshTimes, next_check_at, refresh_due
 
 INTERVAL = 1.0
 
@@ -31,6 +31,31 @@ def test_refreshes_go_out_once_per_interval_and_every_quarter_interval_while_ove
     sent, confirmed, in_flight, now, due
 ):
     assert refresh_due(RefreshTimes(sent=sent, confirmed=confirmed, in_flight=in_flight), now, INTERVAL) is due
+
+
+@pytest.mark.parametrize(
+    "sent, confirmed, in_flight, wake",
+    [
+        (0.0, 0.0, 0, 1.0),  # confirmed: the next regular refresh
+        (1.0, 0.0, 1, 1.5),  # unanswered: when the confirmation becomes overdue
+        (1.5, 0.0, 2, 1.75),  # overdue: a quarter interval after the last one
+        (2.0, 0.0, MAX_IN_FLIGHT, None),  # as many in flight as allowed: only an answer wakes the keeper
+    ],
+)
+def test_the_keeper_sleeps_until_a_refresh_can_be_due(sent, confirmed, in_flight, wake):
+    assert next_check_at(RefreshTimes(sent=sent, confirmed=confirmed, in_flight=in_flight), INTERVAL) == wake
+
+
+def test_no_refresh_is_due_before_the_wake_up_and_one_is_at_it():
+    """Over a grid of states: sleeping until next_check_at misses no refresh and wakes for one."""
+    steps = [i / 8 for i in range(25)]
+    for sent in steps:
+        for confirmed in (c for c in steps if c <= sent):
+            for in_flight in range(MAX_IN_FLIGHT):
+                times = RefreshTimes(sent=sent, confirmed=confirmed, in_flight=in_flight)
+                wake = next_check_at(times, INTERVAL)
+                assert wake is not None and refresh_due(times, wake, INTERVAL), times
+                assert not any(refresh_due(times, now, INTERVAL) for now in steps if sent <= now < wake), times
 
 
 class _Etcd:
