@@ -58,6 +58,12 @@ _UNAVAILABLE_CODES = {
 # The codes after which the next call goes to another endpoint: those of a member that failed, not of a refusal.
 _ENDPOINT_FAILED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
+# How long a new watch waits for etcd to confirm it. pyetcd hands a confirmation to whichever watch request is
+# pending, so one abandoned early (at the 3 s call timeout, on a loaded etcd) gives its stream to the next watch
+# created on the client, of another range perhaps. A stream that died ends its pending request at once, and
+# gRPC's keep-alive ends a silent one within 9 s: waiting this long only waits for a slow etcd.
+WATCH_CREATE_TIMEOUT_S = 60.0
+
 T = TypeVar("T")
 
 
@@ -126,7 +132,7 @@ class _FailoverClient(HookedClient):
     def get_watcher(self):
         return _CancellingWatcher(
             etcdrpc.WatchStub(self.channel),
-            timeout=self.timeout,
+            timeout=WATCH_CREATE_TIMEOUT_S,
             call_credentials=self.call_credentials,
             metadata=self.metadata,
         )

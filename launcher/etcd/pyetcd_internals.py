@@ -14,6 +14,8 @@ shape used here, so an upgrade is noticed in CI, not in a job that cannot fail o
   every call sends, a login token among them; `pyetcd.client.EtcdTokenCallCredentials` wraps a token.
 - `Watcher._lock`, `_callback_thread`, `_stopping` and `_request_queue`: what `Watcher.close` touches; and the
   watcher opens its stream with `watchstub.Watch(requests, credentials=..., metadata=...)`.
+- `Watcher._handle_response(rs)` handles each response of the stream, and `_new_watch_cond` (on `_lock`) wakes the
+  request waiting for its watch to be created.
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ class HookedClient(pyetcd.MultiEndpointEtcd3Client):
 
 class HookedWatcher(pyetcd_watch.Watcher):
     """pyetcd's watcher with the private parts our watcher uses, under names of ours."""
+
+    def _handle_response(self, rs) -> None:
+        super()._handle_response(rs)
+        if rs.created and rs.compact_revision:
+            # pyetcd notes a watch that starts in compacted history without waking the request that waits for it,
+            # which then waits its whole timeout to raise RevisionCompactedError: wake it now
+            with self._lock:
+                self._new_watch_cond.notify_all()
 
     def end_requests(self) -> None:
         """What `Watcher.close` does, without blocking on a dead stream's full request queue: tell the stream's

@@ -108,7 +108,11 @@ class RangeMirror:
         with self._changed:
             newest = self.revision
             for event in response.events:
-                key = event.key.decode()[len(self.prefix) :]
+                full_key = event.key.decode()
+                if not full_key.startswith(self.prefix):
+                    logger.warning("watch on %s got %s, outside its range: ignored", self.prefix, full_key)
+                    continue
+                key = full_key[len(self.prefix) :]
                 if event.mod_revision <= self.revision:
                     continue  # already applied: a resumed watch may repeat what a reload read
                 if isinstance(event, etcd_client.DeleteEvent):

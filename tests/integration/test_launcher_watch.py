@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -49,4 +52,50 @@ def test_a_mirror_sees_changes_and_wakes_its_waiters(etcd):
         assert {k: e.value for k, e in mirror.snapshot()[0].items()} == {"b": b"2"}
         mirror.close()
     finally:
+        client.close()
+
+
+def test_a_watch_etcd_confirms_late_is_not_taken_for_another_mirrors(etcd):
+    """Two mirrors of different ranges on one client (the controller's `state/` and its agent's `state/ctl/`),
+    created while etcd is stopped for longer than the client's call timeout. etcd then confirms the first watch
+    while the second waits: the confirmation must go to the first. pyetcd matches a confirmation to whichever
+    request is pending, so a watch abandoned at the call timeout handed its whole stream to the next one, whose
+    mirror filled with another range's keys cut at the wrong length (`state/nodes/x` as `s/x`)."""
+    client = etcd_client.connect(etcd.endpoint)
+    mirrors = [RangeMirror(client, "/j/state/"), RangeMirror(client, "/j/state/ctl/")]
+    try:
+        RangeMirror(client, "/warm/").start().close()  # the watch stream is open before etcd stops
+        failures: list[BaseException] = []
+
+        def start(mirror: RangeMirror) -> None:
+            try:
+                mirror._watch()  # what start() does after its range read
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        os.kill(etcd.process.pid, signal.SIGSTOP)
+        try:
+            first = threading.Thread(target=start, args=(mirrors[0],))
+            first.start()
+            time.sleep(3.5)  # past the client's 3 s call timeout
+            second = threading.Thread(target=start, args=(mirrors[1],))
+            second.start()
+            time.sleep(0.3)
+        finally:
+            os.kill(etcd.process.pid, signal.SIGCONT)
+        first.join(timeout=20)
+        second.join(timeout=20)
+        client.put("/j/state/nodes/x", "1")
+        client.put("/j/state/ctl/round", "2")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (
+            "nodes/x" in mirrors[0].snapshot()[0] and "round" in mirrors[1].snapshot()[0]
+        ):
+            time.sleep(0.05)
+        assert set(mirrors[1].snapshot()[0]) == {"round"}, "the second mirror got another range's watch"
+        assert not failures, failures
+        assert set(mirrors[0].snapshot()[0]) == {"nodes/x", "ctl/round"}
+    finally:
+        for mirror in mirrors:
+            mirror.close()
         client.close()

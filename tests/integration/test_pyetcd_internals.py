@@ -7,13 +7,15 @@ from __future__ import annotations
 import inspect
 import queue
 import threading
+import time
 
 import grpc
 import pyetcd
 import pytest
+from pyetcd import etcdrpc
 from pyetcd import watch as pyetcd_watch
 from pyetcd.client import EtcdTokenCallCredentials
-from pyetcd.exceptions import WatchTimedOut
+from pyetcd.exceptions import RevisionCompactedError, WatchTimedOut
 
 from launcher.etcd import client as etcd_client
 from launcher.etcd import pyetcd_internals
@@ -103,6 +105,36 @@ def test_the_watcher_opens_its_stream_through_the_stub_it_was_given():
     assert len(stub.calls) == 1, UPDATE
     args, kwargs = stub.calls[0]
     assert len(args) == 1 and kwargs == {"credentials": None, "metadata": (("token", "t"),)}, UPDATE
+
+
+class AnsweringStub:
+    """A watch stream that answers the first request with `response`, then stays open until `done`."""
+
+    def __init__(self, response) -> None:
+        self.response = response
+        self.done = threading.Event()
+
+    def Watch(self, requests, credentials=None, metadata=None):
+        def responses():
+            next(requests)
+            yield self.response
+            self.done.wait(10)
+
+        return responses()
+
+
+def test_a_watch_created_in_compacted_history_is_refused_at_once():
+    stub = AnsweringStub(etcdrpc.WatchResponse(created=True, watch_id=1, compact_revision=5))
+    watcher = HookedWatcher(stub, timeout=30)  # as long as our client waits for a confirmation
+    assert callable(getattr(pyetcd_watch.Watcher, "_handle_response", None)), UPDATE
+    assert isinstance(getattr(watcher, "_new_watch_cond", None), threading.Condition), UPDATE
+    started = time.monotonic()
+    try:
+        with pytest.raises(RevisionCompactedError):
+            watcher.add_callback("k", lambda response: None)
+        assert time.monotonic() - started < 5, "the request waited for its timeout"
+    finally:
+        stub.done.set()
 
 
 def test_ending_the_requests_of_a_dead_stream_does_not_block():
