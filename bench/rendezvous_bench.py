@@ -125,7 +125,8 @@ class SharedKeepAlive:
     def refresh(self, lease, timeout: float) -> list:
         """What `launcher.etcd.client.refresh_lease(lease, timeout)` does: etcd's answers, or a transient error."""
         from pyetcd import etcdrpc
-        from pyetcd import exceptions as etcd_exceptions
+
+        from launcher.etcd.errors import EtcdUnavailable
 
         done = threading.Event()
         slot: list = []  # etcd's answer, appended by the stream's thread
@@ -138,7 +139,7 @@ class SharedKeepAlive:
             with self._lock:
                 if waiter in self._pending[lease.id]:
                     self._pending[lease.id].remove(waiter)
-            raise etcd_exceptions.ConnectionTimeoutError(f"keep-alive not answered within {timeout:g} s")
+            raise EtcdUnavailable(f"keep-alive not answered within {timeout:g} s")
         return slot
 
     def _run(self) -> None:
