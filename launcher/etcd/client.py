@@ -58,11 +58,10 @@ _UNAVAILABLE_CODES = {
 # The codes after which the next call goes to another endpoint: those of a member that failed, not of a refusal.
 _ENDPOINT_FAILED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
-# How long a new watch waits for etcd to confirm it. pyetcd hands a confirmation to whichever watch request is
-# pending, so one abandoned early (at the 3 s call timeout, on a loaded etcd) gives its stream to the next watch
-# created on the client, of another range perhaps. A stream that died ends its pending request at once, and
-# gRPC's keep-alive ends a silent one within 9 s: waiting this long only waits for a slow etcd.
-WATCH_CREATE_TIMEOUT_S = 60.0
+# How long a new watch waits for etcd to confirm it. A stream that died ends its pending request at once, and
+# gRPC's keep-alive ends a silent one within 9 s: waiting this long only waits for a slow etcd (or a client
+# process starved of CPU), where the 3 s call timeout would give up on watches etcd is about to confirm.
+WATCH_CREATE_TIMEOUT_S = 20.0
 
 T = TypeVar("T")
 
@@ -111,6 +110,16 @@ class _CancellingWatcher(HookedWatcher):
         if self.call is not None:
             self.call.cancel()
         self.end_requests()
+
+    def add_callback(self, *args, **kwargs):
+        """pyetcd hands etcd's confirmation of a new watch to whichever watch request is pending then: once one was
+        given up on, a late confirmation would go to the next request, of another range perhaps, which would then
+        get that range's events. The stream is ended instead, and every watch on it resumes on a new one."""
+        try:
+            return super().add_callback(*args, **kwargs)
+        except etcd_exceptions.WatchTimedOut:
+            self.close()
+            raise
 
 
 class _FailoverClient(HookedClient):
