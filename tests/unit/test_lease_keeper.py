@@ -9,40 +9,37 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.etcd.errors import EtcdUnavailable
-from launcher.etcd.lease_keeper import MAX_IN_FLIGHT, LeaseKeeper, RefreshTimes, next_check_at, refresh_due
+from launcher.etcd.lease_keeper import LeaseKeeper, RefreshTimes, next_check_at, refresh_due
 
 INTERVAL = 1.0
 
 
 @pytest.mark.parametrize(
-    "sent, confirmed, in_flight, now, due",
+    "sent, confirmed, now, due",
     [
-        (0.0, 0.0, 0, 0.5, False),  # confirmed, and an interval has not passed
-        (0.0, 0.0, 0, 1.0, True),  # one refresh per interval
-        (1.0, 0.0, 1, 1.5, False),  # overdue, but the last one is unanswered: none more, however late
-        (1.0, 0.0, 0, 1.5, True),  # overdue, the last one failed, a quarter interval ago: the next at once
-        (1.5, 0.0, 0, 1.6, False),  # overdue, but the last one went out less than a quarter interval ago
-        (1.5, 0.0, 0, 1.75, True),
-        (2.0, 1.9, 0, 2.5, False),  # a confirmation came: back to one per interval
+        (0.0, 0.0, 0.5, False),  # confirmed, and an interval has not passed
+        (0.0, 0.0, 1.0, True),  # one refresh per interval
+        (1.0, 0.0, 1.2, False),  # the last one failed, but no confirmation is overdue yet
+        (1.0, 0.0, 1.5, True),  # overdue (1.5 intervals), a quarter interval since the last one: the next at once
+        (1.5, 0.0, 1.6, False),  # overdue, but the last one went out less than a quarter interval ago
+        (1.5, 0.0, 1.75, True),
+        (2.0, 1.9, 2.5, False),  # a confirmation came: back to one per interval
     ],
 )
-def test_refreshes_go_out_once_per_interval_and_every_quarter_interval_while_overdue(
-    sent, confirmed, in_flight, now, due
-):
-    assert refresh_due(RefreshTimes(sent=sent, confirmed=confirmed, in_flight=in_flight), now, INTERVAL) is due
+def test_refreshes_go_out_once_per_interval_and_every_quarter_interval_while_overdue(sent, confirmed, now, due):
+    assert refresh_due(RefreshTimes(sent=sent, confirmed=confirmed), now, INTERVAL) is due
 
 
 @pytest.mark.parametrize(
-    "sent, confirmed, in_flight, wake",
+    "sent, confirmed, wake",
     [
-        (0.0, 0.0, 0, 1.0),  # confirmed: the next regular refresh
-        (1.0, 0.0, 0, 1.5),  # the last one failed: when the confirmation becomes overdue
-        (1.5, 0.0, 0, 1.75),  # overdue: a quarter interval after the last one
-        (2.0, 0.0, MAX_IN_FLIGHT, None),  # as many in flight as allowed: only an answer wakes the keeper
+        (0.0, 0.0, 1.0),  # confirmed: the next regular refresh
+        (1.0, 0.0, 1.5),  # the last one failed: when the confirmation becomes overdue
+        (1.5, 0.0, 1.75),  # overdue: a quarter interval after the last one
     ],
 )
-def test_the_keeper_sleeps_until_a_refresh_can_be_due(sent, confirmed, in_flight, wake):
-    assert next_check_at(RefreshTimes(sent=sent, confirmed=confirmed, in_flight=in_flight), INTERVAL) == wake
+def test_the_keeper_sleeps_until_a_refresh_can_be_due(sent, confirmed, wake):
+    assert next_check_at(RefreshTimes(sent=sent, confirmed=confirmed), INTERVAL) == wake
 
 
 def test_no_refresh_is_due_before_the_wake_up_and_one_is_at_it():
@@ -50,11 +47,10 @@ def test_no_refresh_is_due_before_the_wake_up_and_one_is_at_it():
     steps = [i / 8 for i in range(25)]
     for sent in steps:
         for confirmed in (c for c in steps if c <= sent):
-            for in_flight in range(MAX_IN_FLIGHT):
-                times = RefreshTimes(sent=sent, confirmed=confirmed, in_flight=in_flight)
-                wake = next_check_at(times, INTERVAL)
-                assert wake is not None and refresh_due(times, wake, INTERVAL), times
-                assert not any(refresh_due(times, now, INTERVAL) for now in steps if sent <= now < wake), times
+            times = RefreshTimes(sent=sent, confirmed=confirmed)
+            wake = next_check_at(times, INTERVAL)
+            assert refresh_due(times, wake, INTERVAL), times
+            assert not any(refresh_due(times, now, INTERVAL) for now in steps if sent <= now < wake), times
 
 
 class _Etcd:
