@@ -1,14 +1,14 @@
 """Keeps one etcd lease alive from its own thread, and says when etcd let it end.
 
-Refreshes go out once per interval while etcd confirms them, each under a deadline of one interval (the client's
-own, for every call, outlasts a fence's budget). Once a confirmation is overdue, the next goes out as soon as the
-last one is answered or reaches its deadline, at least a quarter interval apart: when the etcd leader dies
-silently, a follower holds the refresh it forwards to the dead leader until that deadline, and the one after goes
-to the new leader (which extends every lease when it takes over, so nothing was at risk).
+Refreshes go out once per interval while etcd confirms them. Once a confirmation is overdue, they go out every
+quarter interval, each under its own deadline, without waiting for the ones still unanswered: when the etcd leader
+dies silently, a follower holds every refresh it forwards to the dead leader until the call's deadline, and a
+keeper that waited for each answer would hear of the new leader a whole deadline late, long enough to fence a
+healthy node (a new leader extends every lease when it takes over, so nothing was at risk).
 
-Refreshes never overlap. Sending more while one is unanswered did get past a held one sooner, but when every
-answer is slow (etcd, or this process, short of CPU) more refreshes only add load: with up to four in flight,
-1,024 simulated agents on one 2-core machine kept losing their leases and one host's 256 never saw a new round.
+Known cost: when every answer is slow (etcd, or this process, short of CPU) the extra refreshes add load. 1,024
+simulated agents on one 2-core machine (bench/rendezvous_bench.py) then keep losing their leases; with one refresh
+at a time they do not, but a silent cut of the etcd leader then fenced a node in about one run in six. Issue #18.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from launcher.etcd.errors import EtcdUnavailable
 
 logger = logging.getLogger(__name__)
 
+# refreshes unanswered at once: enough to keep sending through one deadline at a quarter interval apart
+MAX_IN_FLIGHT = 4
 # a confirmation this many intervals old is overdue: refreshes then go out every quarter interval
 OVERDUE_AFTER_INTERVALS = 1.5
 
@@ -37,20 +40,24 @@ class RefreshTimes:
 
     sent: float
     confirmed: float
+    in_flight: int
 
 
 def refresh_due(times: RefreshTimes, now: float, interval: float) -> bool:
-    """Whether to send a refresh now (the last one was answered or gave up): one per interval, or one per quarter
-    interval while a confirmation is overdue."""
+    """Whether to send a refresh now: one per interval, or one per quarter interval while a confirmation is overdue."""
+    if times.in_flight >= MAX_IN_FLIGHT:
+        return False
     since_sent = now - times.sent
     if since_sent >= interval:
         return True
     return now - times.confirmed >= OVERDUE_AFTER_INTERVALS * interval and since_sent >= interval / 4
 
 
-def next_check_at(times: RefreshTimes, interval: float) -> float:
-    """The earliest time `refresh_due` says yes: the keeper sleeps until then, one wake-up per interval while the
-    lease is healthy."""
+def next_check_at(times: RefreshTimes, interval: float) -> float | None:
+    """The earliest time `refresh_due` says yes; None while MAX_IN_FLIGHT refreshes are unanswered (only an answer
+    changes that). The keeper sleeps until then or an answer, so a healthy lease costs one wake-up per interval."""
+    if times.in_flight >= MAX_IN_FLIGHT:
+        return None
     overdue_from = times.confirmed + OVERDUE_AFTER_INTERVALS * interval
     return min(times.sent + interval, max(overdue_from, times.sent + interval / 4))
 
@@ -58,7 +65,7 @@ def next_check_at(times: RefreshTimes, interval: float) -> float:
 class LeaseKeeper:
     """Refreshes `lease` every `interval` seconds until stopped; calls `on_lost` once if etcd no longer has it.
 
-    One thread per lease sends the refreshes and waits for each (see the module's docstring): the lease outlives a
+    A refresh that etcd does not answer is followed by more (see the module's docstring): the lease outlives a
     few misses, and etcd extends every lease when it restarts or elects a new leader.
     """
 
@@ -75,10 +82,13 @@ class LeaseKeeper:
         self.on_lost = on_lost
         self.lost = False
         self._refresh = refresh
+        self._lock = threading.Lock()
         now = time.monotonic()
-        self._times = RefreshTimes(sent=now, confirmed=now)  # granted counts as confirmed; replaced whole
+        self._times = RefreshTimes(sent=now, confirmed=now, in_flight=0)  # granted counts as confirmed
         self._stop = threading.Event()
+        self._answered = threading.Event()  # a refresh finished: the next check may be sooner
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._attempts = ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix=f"{name}-call")
 
     def start(self) -> LeaseKeeper:
         self._thread.start()
@@ -86,6 +96,8 @@ class LeaseKeeper:
 
     def stop(self) -> None:
         self._stop.set()
+        self._answered.set()
+        self._attempts.shutdown(wait=False, cancel_futures=True)
 
     @property
     def refreshed_at(self) -> float:
@@ -97,28 +109,43 @@ class LeaseKeeper:
         return time.monotonic() - self._times.confirmed
 
     def _run(self) -> None:
-        while not self._stop.wait(max(0.0, next_check_at(self._times, self.interval) - time.monotonic())):
+        while not self._stop.is_set():
+            with self._lock:
+                wake_at = next_check_at(self._times, self.interval)
+            self._answered.wait(None if wake_at is None else max(0.0, wake_at - time.monotonic()))
+            self._answered.clear()
+            if self._stop.is_set():
+                return
             now = time.monotonic()
-            if refresh_due(self._times, now, self.interval):
-                self._refresh_once(now)
+            with self._lock:
+                if not refresh_due(self._times, now, self.interval):
+                    continue
+                self._times = RefreshTimes(now, self._times.confirmed, self._times.in_flight + 1)
+            try:
+                self._attempts.submit(self._attempt, now)
+            except RuntimeError:  # stopped meanwhile
+                return
 
-    def _refresh_once(self, sent: float) -> None:
-        self._times = RefreshTimes(sent, self._times.confirmed)
+    def _attempt(self, sent: float) -> None:
         try:
             # under its own deadline: the client's, for every call, outlasts a fence's budget
             responses = self._refresh(self.lease, self.interval)
         except EtcdUnavailable as exc:
-            logger.debug("lease %x refresh failed, sending the next one: %s", self.lease.id, exc)
-            return
+            logger.debug("lease %x refresh failed, sending more: %s", self.lease.id, exc)
+            responses = None
         except Exception as exc:
             logger.warning("lease %x refresh refused: %s", self.lease.id, exc)
-            return
-        if responses and responses[0].TTL > 0:
+            responses = None
+        with self._lock:
             previous = self._times.confirmed
-            self._times = RefreshTimes(sent, sent)
-            if sent - previous >= OVERDUE_AFTER_INTERVALS * self.interval:
-                logger.info("etcd confirmed lease %x again, %.1fs after the last time", self.lease.id, sent - previous)
-        elif responses and not self.lost and not self._stop.is_set():
-            self.lost = True
+            confirmed = max(previous, sent) if responses and responses[0].TTL > 0 else previous
+            self._times = RefreshTimes(self._times.sent, confirmed, self._times.in_flight - 1)
+            gone = responses is not None and len(responses) > 0 and responses[0].TTL <= 0
+            gone = gone and not self.lost and not self._stop.is_set()
+            self.lost = self.lost or gone
+        self._answered.set()
+        if confirmed - previous >= OVERDUE_AFTER_INTERVALS * self.interval:
+            logger.info("etcd confirmed lease %x again, %.1fs after the last time", self.lease.id, confirmed - previous)
+        if gone:
             self.stop()
             self.on_lost()
