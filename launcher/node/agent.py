@@ -242,6 +242,10 @@ class Agent:
             rollcalls=view.rollcalls,
         )
         done: set[type] = set()
+        run = self.run_
+        # the channels are read only where a step can be recorded: group rank 0's running workers
+        leading = run is not None and run.member is not None and run.member.group_rank == 0
+        latest_step = self.workers.latest_step() if leading else None
         while True:
             action = rules.next_action(
                 facts,
@@ -250,7 +254,7 @@ class Agent:
                 workers_started=self.workers.running,
                 reporting_hang=self.workers.reporting_hang(),
                 done=frozenset(done),
-                latest_step=self.workers.latest_step(),
+                latest_step=latest_step,
             )
             if action is None:
                 return
