@@ -31,7 +31,7 @@ STEPS, GLOBAL_BATCH, KILL_AFTER = 30, 12, 8
 def needs(*modules: str) -> None:
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
-        pytest.skip(f"needs {', '.join(missing)}: {INSTALL}")
+        pytest.fail(f"needs {', '.join(missing)} (the test extra has them): {INSTALL}")
 
 
 def records(sample_log: Path) -> list[dict]:

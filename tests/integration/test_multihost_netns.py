@@ -32,7 +32,7 @@ def network(tmp_path_factory):
     """Three node namespaces and an etcd namespace on a private bridge, removed after the module's tests."""
     reason = unavailable_reason()
     if reason:
-        pytest.skip(reason)
+        pytest.fail(f"{reason} (these tests need network namespaces; CI runs as root)")
     net = Network(NODES, tmp_path_factory.mktemp("netns"))
     try:
         net.create()

@@ -74,7 +74,7 @@ def test_an_address_no_interface_holds_sets_nothing():
 def test_host_address_maps_to_its_interface(caplog):
     found = host_address()
     if found is None:
-        pytest.skip("this machine has no non-loopback IPv4 address")
+        pytest.fail("this machine has no non-loopback IPv4 address; the test needs one")
     addr, name = found
     assert interface_holding(addr) == name
     with caplog.at_level(logging.INFO, logger="launcher.workers.network"):
@@ -105,7 +105,7 @@ def test_worker_env_passes_user_setting_through(monkeypatch):
 def test_worker_env_names_the_interface_of_the_node_address(monkeypatch):
     found = host_address()
     if found is None:
-        pytest.skip("this machine has no non-loopback IPv4 address")
+        pytest.fail("this machine has no non-loopback IPv4 address; the test needs one")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     env = worker_env(*fake_member(found[0]), local_rank=1, error_file=Path("/tmp/error.json"))
     assert env["GLOO_SOCKET_IFNAME"] == found[1]
@@ -117,7 +117,7 @@ def test_worker_env_names_the_interface_of_the_node_address(monkeypatch):
 def test_addresses_on_veth_interfaces_in_a_namespace():
     """Primary and secondary IPv4 and an IPv6 address on a namespace's own veth pair map to their interface."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and `ip` to create a network namespace")
+        pytest.fail("needs root and `ip` to create a network namespace (CI runs as root)")
     ns = f"elnet-{uuid.uuid4().hex[:8]}"
 
     def ip(*args: str) -> None:
@@ -128,7 +128,7 @@ def test_addresses_on_veth_interfaces_in_a_namespace():
             subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
             ip("link", "add", "gloo0", "type", "veth", "peer", "name", "gloo1")
         except subprocess.CalledProcessError as exc:
-            pytest.skip(f"cannot create a namespace with a veth pair: {exc.stderr.decode().strip()}")
+            pytest.fail(f"cannot create a namespace with a veth pair: {exc.stderr.decode().strip()}")
         ip("addr", "add", "10.77.9.2/24", "dev", "gloo0")
         ip("addr", "add", "10.77.9.3/24", "dev", "gloo0")  # a secondary: not what SIOCGIFADDR reports
         ip("addr", "add", "10.77.8.2/24", "dev", "gloo1")

@@ -47,7 +47,7 @@ def make_network(tmp_path):
     """Builds PartitionNetworks; each is torn down (processes killed, namespaces deleted) even when a test fails."""
     reason = unavailable_reason()
     if reason:
-        pytest.skip(reason)
+        pytest.fail(f"{reason} (these tests need network namespaces; CI runs as root)")
     made: list[PartitionNetwork] = []
 
     def make(nodes: int, etcd_members: int = 1, **etcd_timing: int) -> PartitionNetwork:

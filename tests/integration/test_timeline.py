@@ -157,7 +157,8 @@ def test_labels_take_the_first_free_lane_or_are_left_out(case, spans, lanes, exp
 
 
 def test_twenty_rounds_in_a_minute_draw_labels_that_never_overlap(tmp_path):
-    pyplot = pytest.importorskip("matplotlib.pyplot")
+    import matplotlib.pyplot as pyplot
+
     rows = [start(0, 0), step(1, 1)]
     for index in range(1, 21):  # a fault every 3 s: a failure, its round, its first step
         at = index * 3.0

@@ -47,10 +47,14 @@ def test_impossible_choices_name_the_fix(device, backend, local_rank, gpus, mess
     assert str(error.value) == message
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: this machine has none")
-def test_auto_on_a_gpu_machine_is_nccl_on_the_local_device(monkeypatch):
+def test_auto_on_a_gpu_machine_is_nccl_on_the_local_device_and_selects_it(monkeypatch):
+    """A machine with 2 GPUs, as torch.cuda reports it (this one has none): local rank 1 takes cuda:1."""
     from elastic.devices import placement_here
 
-    monkeypatch.setenv("LOCAL_RANK", "0")
+    selected = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
     placement = placement_here("auto", "auto")
-    assert placement.backend == "nccl" and torch.cuda.current_device() == 0
+    assert placement.backend == "nccl" and placement.device == torch.device("cuda", 1)
+    assert selected == [torch.device("cuda", 1)]
