@@ -104,11 +104,11 @@ class HostState:
 class SharedKeepAlive:
     """Every lease refresh of a host's agents sent on ONE long-lived keep-alive stream of the process's client.
 
-    The agent's LeaseKeeper refreshes through `launcher.etcd.client.refresh_lease`, which opens a new LeaseKeepAlive
-    stream per refresh, and gRPC starts a Python thread to feed each stream: ~1.3 ms of host CPU per refresh, which
-    is nothing for one agent per machine but 1.3 cores for 1024 agents packed on this 2-core machine, enough to
-    starve the keepers and let leases expire. With --keepalive shared, `refresh` stands in for that function
-    process-wide (as the no-op WorkerGroup stands in for the real one): the LeaseKeepers still refresh every
+    The agent's LeaseKeeper refreshes through `launcher.etcd.client.LeaseRoutes.refresh`, which opens a new
+    LeaseKeepAlive stream per refresh, and gRPC starts a Python thread to feed each stream: ~1.3 ms of host CPU per
+    refresh, which is nothing for one agent per machine but 1.3 cores for 1024 agents packed on this 2-core machine,
+    enough to starve the keepers and let leases expire. With --keepalive shared, this object stands in for those
+    routes process-wide (as the no-op WorkerGroup stands in for the real one): the LeaseKeepers still refresh every
     keep_alive_interval under the same deadline and etcd still receives one LeaseKeepAlive message per refresh (the
     same request count); only the client-side transport is cheaper. `carried` counts the refreshes it sent, so the
     coordinator can tell when the agents' refreshes no longer come this way.
@@ -122,8 +122,15 @@ class SharedKeepAlive:
         self.carried = 0
         threading.Thread(target=self._run, name="shared-keepalive", daemon=True).start()
 
-    def refresh(self, lease, timeout: float) -> list:
-        """What `launcher.etcd.client.refresh_lease(lease, timeout)` does: etcd's answers, or a transient error."""
+    def endpoints(self, lease) -> list[str]:
+        return [self._client.endpoint_label]  # the stream's
+
+    def prefer(self, lease, endpoint: str) -> None:
+        raise AssertionError(f"the shared stream runs on one endpoint; asked to move to {endpoint}")
+
+    def refresh(self, lease, deadline: float, endpoint: str) -> list:
+        """What `launcher.etcd.client.LeaseRoutes.refresh` does: etcd's answers, or a transient error (the bench's
+        etcd has one endpoint, the one the stream runs on)."""
         from pyetcd import etcdrpc
 
         from launcher.etcd.errors import EtcdUnavailable
@@ -135,11 +142,11 @@ class SharedKeepAlive:
             self._pending[lease.id].append(waiter)
             self.carried += 1
         self._queue.put(etcdrpc.LeaseKeepAliveRequest(ID=lease.id))
-        if not done.wait(timeout):
+        if not done.wait(deadline):
             with self._lock:
                 if waiter in self._pending[lease.id]:
                     self._pending[lease.id].remove(waiter)
-            raise EtcdUnavailable(f"keep-alive not answered within {timeout:g} s")
+            raise EtcdUnavailable(f"keep-alive not answered within {deadline:g} s")
         return slot
 
     def _run(self) -> None:
@@ -215,8 +222,8 @@ def host_main(index: int, spec: dict, conn, events) -> None:
     class BenchAgent(Agent):
         """The real agent, plus timestamps at registration, round entry and acknowledgement, and a way to die."""
 
-        def __init__(self, config, client, refresh_lease) -> None:
-            super().__init__(config, client, worker_group=NoopWorkerGroup, refresh_lease=refresh_lease)
+        def __init__(self, config, client, lease_routes) -> None:
+            super().__init__(config, client, worker_group=NoopWorkerGroup, lease_routes=lease_routes)
             self.killed = False
             self.registrations = 0
             register, acknowledge = self.store.register, self.store.acknowledge
@@ -264,11 +271,11 @@ def host_main(index: int, spec: dict, conn, events) -> None:
 
     client = etcd_client.connect(spec["endpoint"])
     shared = None
-    refresh_lease = etcd_client.refresh_lease
+    lease_routes = etcd_client.LEASE_ROUTES
     if spec["keepalive"] == "shared":
         # every agent of this host process is simulated, so the shared stream stands in for its refreshes
         shared = SharedKeepAlive(client)
-        refresh_lease = shared.refresh
+        lease_routes = shared
     # --nnodes 1:N with a last call of an hour: round 0 forms the moment the N-th agent registers (MAX reached),
     # and a loss re-forms at once with N-1 (MIN is met); --nnodes N:N could never re-form after a loss.
     rdzv = RendezvousSettings(
@@ -295,7 +302,7 @@ def host_main(index: int, spec: dict, conn, events) -> None:
             entrypoint="noop-worker",
             warm_workers=False,  # no-op workers: a warm interpreter per simulated agent would import torch N times
         )
-        agents[node] = BenchAgent(config, client, refresh_lease)
+        agents[node] = BenchAgent(config, client, lease_routes)
 
     def run_agent(agent: BenchAgent) -> None:
         try:

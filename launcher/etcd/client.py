@@ -151,6 +151,10 @@ class _FailoverClient(HookedClient):
         return self.endpoint_in_use.channel  # on_grpc_error moves on; nothing to decide here
 
     def on_grpc_error(self, exc: grpc.RpcError) -> NoReturn:
+        self.on_endpoint_error(self.endpoint_label, exc)
+
+    def on_endpoint_error(self, endpoint: str, exc: grpc.RpcError) -> NoReturn:
+        """A call through `endpoint` failed with `exc`: fail over if that is the endpoint in use; raise ours."""
         code = exc.code()
         if code is grpc.StatusCode.UNAUTHENTICATED and self._login is not None and "token" in (exc.details() or ""):
             logger.info("etcd no longer knows our login token (%s); logging in again", exc.details())
@@ -161,21 +165,42 @@ class _FailoverClient(HookedClient):
             self._drop_call_credentials_without_tls()
             raise EtcdUnavailable("etcd forgot our login token; logged in again") from exc  # the retry repeats it
         if code in _ENDPOINT_FAILED_CODES and len(self.endpoints) > 1:
-            failed = self.endpoint_label
-            self.endpoints[failed].last_failed = time.monotonic()
-            others = [label for label in self.endpoints if label != failed]
-            self.use_endpoint(min(others, key=lambda label: self.endpoints[label].last_failed))
-            logger.info("etcd endpoint %s failed (%s); using %s", failed, code.name, self.endpoint_label)
+            self.endpoints[endpoint].last_failed = time.monotonic()
+            if endpoint == self.endpoint_label:
+                self.use_endpoint(self.endpoints_to_try()[1])
+                logger.info("etcd endpoint %s failed (%s); using %s", endpoint, code.name, self.endpoint_label)
         _raise_translated(exc)
 
+    def endpoints_to_try(self) -> list[str]:
+        """Every endpoint: the one in use, then the others from the one that failed least recently."""
+        in_use = self.endpoint_label
+        others = sorted((label for label in self.endpoints if label != in_use), key=self._failed_at)
+        return [in_use, *others]
 
-def refresh_lease(lease, timeout: float) -> list[Any]:
-    """One keep-alive of `lease` under its own deadline (the client's, for every call, outlasts a fence's budget)."""
-    client: _FailoverClient = lease.etcd_client
-    try:
-        return client.keep_alive_once(lease.id, timeout)
-    except grpc.RpcError as exc:
-        client.on_grpc_error(exc)
+    def _failed_at(self, label: str) -> float:
+        return self.endpoints[label].last_failed
+
+
+class LeaseRoutes:
+    """`launcher.etcd.lease_keeper.LeaseRoutes` through the client that granted the lease."""
+
+    def endpoints(self, lease) -> list[str]:
+        return lease.etcd_client.endpoints_to_try()
+
+    def refresh(self, lease, deadline: float, endpoint: str) -> list[Any]:
+        client: _FailoverClient = lease.etcd_client
+        try:
+            return client.keep_alive_once(lease.id, deadline, endpoint)
+        except grpc.RpcError as exc:
+            client.on_endpoint_error(endpoint, exc)
+
+    def prefer(self, lease, endpoint: str) -> None:
+        client: _FailoverClient = lease.etcd_client
+        if client.endpoint_label != endpoint:
+            client.use_endpoint(endpoint)
+
+
+LEASE_ROUTES = LeaseRoutes()
 
 
 def connect(spec: str, timeout: float = 3.0, security: EtcdSecurity | None = None) -> EtcdClient:

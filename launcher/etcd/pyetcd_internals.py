@@ -64,13 +64,15 @@ class HookedClient(pyetcd.MultiEndpointEtcd3Client):
         self.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(answer.token))
         self.drop_stubs()
 
-    def keep_alive_once(self, lease_id: int, timeout: float) -> list[Any]:
-        """One keep-alive of lease `lease_id` under its own deadline; etcd's answers (raises grpc.RpcError)."""
+    def keep_alive_once(self, lease_id: int, timeout: float, endpoint: str) -> list[Any]:
+        """One keep-alive of lease `lease_id` through `endpoint` under its own deadline; etcd's answers (raises
+        grpc.RpcError)."""
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+        stub = (
+            self.leasestub if endpoint == self.endpoint_label else etcdrpc.LeaseStub(self.endpoints[endpoint].channel)
+        )
         return list(
-            self.leasestub.LeaseKeepAlive(
-                iter([request]), timeout, credentials=self.call_credentials, metadata=self.metadata
-            )
+            stub.LeaseKeepAlive(iter([request]), timeout, credentials=self.call_credentials, metadata=self.metadata)
         )
 
 

@@ -33,7 +33,7 @@ from elastic import node_memory
 from launcher.config import LaunchConfig
 from launcher.etcd import client as etcd_client
 from launcher.etcd.errors import EtcdUnavailable
-from launcher.etcd.lease_keeper import Refresh
+from launcher.etcd.lease_keeper import LeaseRoutes
 from launcher.etcd.watch import RangeMirror
 from launcher.node import rules
 from launcher.node.controller_seat import ControllerSeat
@@ -76,7 +76,7 @@ class Agent:
         client,
         *,
         worker_group: WorkerGroupFactory = WorkerGroup,
-        refresh_lease: Refresh = etcd_client.refresh_lease,
+        lease_routes: LeaseRoutes = etcd_client.LEASE_ROUTES,
     ) -> None:
         self.config = config
         self.client = client
@@ -86,7 +86,7 @@ class Agent:
         self.addr = config.local_addr or address_facing(host)
         assert config.log_dir is not None, "elastic-run picks the log dir before an agent starts"
         self.log = LogMirror.for_dir(config.log_dir)
-        self._refresh_lease = refresh_lease
+        self._lease_routes = lease_routes
         self._me: Incarnation | None = None  # our registration under a lease (set by _join)
         self.run_: RoundRun | None = None
         self._stalls: StallReporter | None = None
@@ -182,7 +182,7 @@ class Agent:
 
     def _join(self) -> None:
         self._me = Incarnation.register(
-            self.store, self.config, self.addr, self.liveness, self.mirror.poke, self._refresh_lease
+            self.store, self.config, self.addr, self.liveness, self.mirror.poke, self._lease_routes
         )
         self.seat.claim(self.me.lease.id)
 

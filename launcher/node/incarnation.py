@@ -14,7 +14,7 @@ from typing import Any
 
 from launcher.config import LaunchConfig
 from launcher.etcd.errors import LeaseGone
-from launcher.etcd.lease_keeper import LeaseKeeper, Refresh
+from launcher.etcd.lease_keeper import LeaseKeeper, LeaseRoutes
 from launcher.rendezvous.liveness import LivenessServer
 from launcher.rendezvous.protocol import JobStore, NodeIdTaken
 from launcher.rendezvous.records import NodeRecord
@@ -36,7 +36,7 @@ class Incarnation:
         addr: str,
         liveness: LivenessServer,
         on_lost: Callable[[], None],
-        refresh: Refresh,
+        routes: LeaseRoutes,
     ) -> Incarnation:
         """Register a new incarnation of this node under a fresh lease, kept alive from now on."""
         while True:
@@ -58,6 +58,6 @@ class Incarnation:
                 raise SystemExit(f"error: {exc}") from None
             except LeaseGone:
                 logger.warning("lease %x ended before registration (a stalled etcd); registering again", lease.id)
-        keeper = LeaseKeeper(lease, config.rdzv.keep_alive_interval, on_lost, refresh=refresh).start()
+        keeper = LeaseKeeper(lease, config.rdzv.keep_alive_interval, on_lost, routes=routes).start()
         logger.info("node %s (%s) joined job %s, lease %ds", config.node_id, addr, config.rdzv_id, lease.ttl)
         return cls(lease=lease, record=record, keeper=keeper)

@@ -138,9 +138,16 @@ class EndWithJob:
 LifecycleAction = Leave | GiveUp | Rejoin | Fence | EndWithJob
 
 
+# etcd ends a lease no sooner than a TTL after it received the newest refresh it confirmed (sent at silent_for 0),
+# and the job needs a new round and its workers seconds more: killing ours this long before the TTL is in time,
+# and leaves the default 3 s lease room for an etcd leader election (1 to 2 s at etcd's default timing), which ends
+# no lease (the new leader extends them all) but answers no refresh either.
+FENCE_MARGIN_S = 0.25
+
+
 def fence_due(silent_for: float, ttl: int) -> bool:
     """etcd has not confirmed our lease for most of its TTL: the job may form a round without us at its end."""
-    return silent_for >= ttl - min(1.0, ttl / 4)
+    return silent_for >= ttl - min(FENCE_MARGIN_S, ttl / 4)
 
 
 def lifecycle(

@@ -27,11 +27,11 @@ from netns_harness import PartitionNetwork, unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "examples" / "collective_probe.py"
-# lease TTL 2 s (0.5 s x 3, rounded up): an agent that etcd has not answered for 1.5 s fences itself
+# lease TTL 2 s (0.5 s x 3, rounded up): an agent that etcd has not answered for 1.75 s fences itself
 FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=60"
-# elastic-run's default lease: TTL 3 s (1 s x 3), fencing after 2.25 s without etcd
+# elastic-run's default lease: TTL 3 s (1 s x 3), fencing after 2.75 s without etcd
 DEFAULT_LEASE_RDZV = "last_call_timeout=1,join_timeout=60"
-# lease TTL 6 s: fencing only after 5 s without etcd
+# lease TTL 6 s: fencing only after 5.75 s without etcd
 SLOW_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=6,last_call_timeout=1,join_timeout=60"
 FENCE_TEXT = "killing the workers before the job moves on without them"
 STEP_TIME = 0.05
@@ -429,7 +429,7 @@ def _wait_for_new_leader(net: PartitionNetwork, members: list[int], old: int, ol
 @pytest.mark.timeout(300)
 def test_etcd_leader_changes_mid_run_change_nothing(make_network, tmp_path):
     """Case 3a: a 5-member etcd cluster at etcd's default timing (heartbeat 100 ms, election 1 s) changes its leader
-    three times while one job trains under elastic-run's default lease (3 s: a node fences itself after 2.25 s
+    three times while one job trains under elastic-run's default lease (3 s: a node fences itself after 2.75 s
     without a confirmation). Each time the leader is the member the controller's agent talks to; it is cut off
     silently for good, then killed, then hands over with `etcdctl move-leader` (five members outlive losing two).
     Each time a new leader must be elected in a later term, and the job must train on past the time a fence would
@@ -467,7 +467,7 @@ def test_etcd_leader_changes_mid_run_change_nothing(make_network, tmp_path):
             f"{how} m{leader} (leader; agents' connections {connections}, controller node{job.controller_node()}); "
             f"m{elected} leads within {elected_s:.1f}s",
         )
-        # past a fence's deadline (2.25 s without a confirmation), every node still trains in round 0
+        # past a fence's deadline (2.75 s without a confirmation), every node still trains in round 0
         job.wait_for(lambda at=fault_at + 3.0: job.nodes_training_since(at) == {0, 1, 2}, 30, f"training after {how}")
     job.stop_training()
     rcs = job.wait_exit(timeout=60)

@@ -63,7 +63,7 @@ def test_every_unary_call_hands_its_grpc_error_to_the_hook():
             client.transaction(compare=[], success=[], failure=[])
         assert [e.code() for e in client.errors] == [grpc.StatusCode.UNAVAILABLE] * 4, UPDATE
         with pytest.raises(grpc.RpcError) as raised:
-            client.keep_alive_once(7, timeout=1.0)  # a stream of our own: not routed, raised as it is
+            client.keep_alive_once(7, 1.0, client.endpoint_label)  # a stream of our own: not routed, raised as it is
         assert raised.value.code() is grpc.StatusCode.UNAVAILABLE
     finally:
         client.close()
