@@ -123,6 +123,20 @@ def _stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, SIGTSTP, or a tracer): it runs no code until it is continued."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] in ("T", "t")
+
+
+def own_children(pid: int) -> list[int]:
+    """The children of `pid` (its main thread's, from /proc: one file, no scan); [] if gone."""
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def _living_processes(zombies: bool = False) -> dict[int, list[str]]:
     """pid -> stat fields of every process that is not a zombie (or of every process, with `zombies`)."""
     found: dict[int, list[str]] = {}

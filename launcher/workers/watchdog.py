@@ -31,7 +31,7 @@ from pathlib import Path
 
 from elastic import channel
 from launcher.workers import failure_evidence
-from launcher.workers.process_tree import signal_group
+from launcher.workers.process_tree import is_stopped, own_children, signal_group
 from launcher.workers.watchdog_rules import STALL_MIN_S, Hang, Policy, Stall, StartupHistory, WorkerWatch, stall_of
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,8 @@ class Watchdog:
             worker.watch.snapshot = channel.read(worker.view)  # once per silence: nothing changed since
         if silent <= policy.floor:
             return None
-        hang = worker.watch.verdict(policy, worker.watch.current(), now, time.time())
+        stopped = not worker.started and self._stopped(worker, process)
+        hang = worker.watch.verdict(policy, worker.watch.current(), now, time.time(), stopped)
         if hang is None:
             return None
         stalled = failure_evidence.stalled_peers(self._owner(worker, process))
@@ -159,6 +160,13 @@ class Watchdog:
             except (OSError, ValueError):
                 return False
         return True
+
+    def _stopped(self, worker: _Worker, process: subprocess.Popen) -> bool:
+        """Whether the worker's process is stopped: the one that owns its channel; before it opened it, the
+        process we started or one of its children (under a supervisor, the worker is its child)."""
+        owner = self._owner(worker, process)
+        candidates = [owner] if owner != process.pid else [process.pid, *own_children(process.pid)]
+        return any(is_stopped(pid) for pid in candidates)
 
     def _owner(self, worker: _Worker, process: subprocess.Popen) -> int:
         """The worker's own pid, from its channel, if it is `process` or below it (a supervisor, a wrapper)."""

@@ -6,7 +6,8 @@ they wrote and asks these rules, passing its own clock's readings:
   heartbeated in an earlier round, a new round's worker that has not heartbeated yet is allowed the start-up
   allowance (`StartupHistory`): the larger of the normal allowance and `STARTUP_FACTOR` x the longest start-up
   (spawn to first heartbeat) seen on this node. A worker stuck in `init_process_group` (a peer it cannot connect
-  to) is caught so; a start-up that loads a checkpoint for long belongs inside `long_operation`;
+  to) is caught so; a start-up that loads a checkpoint for long belongs inside `long_operation`. A starting
+  worker whose process is stopped (SIGSTOP) is not starting: it gets the normal allowance;
 - silence is measured from the last sign of life the agent saw: a heartbeat, or a long operation's begin or end;
 - the normal allowance is `--watchdog-timeout` seconds when it is a number; with `auto` it is the larger of
   `--watchdog-min` and `AUTO_FACTOR` x the slowest interval between heartbeats over the last `AUTO_WINDOW` steps
@@ -164,6 +165,7 @@ class Hang:
     at: float
     long_op: str | None = None
     starting: bool = False  # no heartbeat yet in this round: held to the start-up allowance
+    stopped: bool = False  # starting, but its process is stopped: held to the normal allowance
     stalled_peers: tuple[str, ...] = ()  # peers its stalled TCP connections lead to (launcher.workers.failure_evidence)
 
     @property
@@ -172,7 +174,9 @@ class Hang:
         return self.at - self.seconds_silent
 
     def summary(self) -> str:
-        if self.starting:
+        if self.stopped:
+            step = "since it started, none yet in this round, and its process is stopped"
+        elif self.starting:
             step = "since it started, none yet in this round"
         else:
             step = f"after step {self.last_step}" if self.last_step is not None else "(no step given)"
@@ -222,9 +226,12 @@ class WorkerWatch:
         """The snapshot read since the last change of `seq` (None: none read since)."""
         return self.snapshot if self.snapshot is not None and self.snapshot.seq == self.seq else None
 
-    def verdict(self, policy: Policy, snapshot: channel.Snapshot | None, now: float, wall: float) -> Hang | None:
+    def verdict(
+        self, policy: Policy, snapshot: channel.Snapshot | None, now: float, wall: float, stopped: bool = False
+    ) -> Hang | None:
         """A Hang when the worker heartbeated before and has been silent longer than its allowance; `now` is the
-        agent's monotonic clock, `wall` the unix time of the same moment."""
+        agent's monotonic clock, `wall` the unix time of the same moment, `stopped` whether its process is
+        stopped (a starting worker then gets the normal allowance: it starts nothing)."""
         if snapshot is None:
             return None
         self.observe(snapshot.seq, now)
@@ -232,7 +239,7 @@ class WorkerWatch:
         starting = snapshot.beats == 0
         if starting and policy.startup is None:
             return None  # a script that never calls heartbeat is never watched
-        if starting and policy.startup is not None:
+        if starting and policy.startup is not None and not stopped:
             allowed = max(policy.startup, allowance(policy, (), snapshot.long_op))
         else:
             allowed = allowance(policy, snapshot.intervals, snapshot.long_op)
@@ -245,5 +252,6 @@ class WorkerWatch:
             last_step=snapshot.last_step,
             at=wall,
             long_op=snapshot.long_op.name if snapshot.long_op else None,
-            starting=starting,
+            starting=starting and not stopped,
+            stopped=starting and stopped,
         )

@@ -208,6 +208,11 @@ def test_once_a_node_saw_heartbeats_a_new_worker_gets_the_start_up_allowance():
     assert hang.starting and hang.allowance == 100.0 and "none yet in this round" in hang.describe()
     watch = WorkerWatch()
     watch.observe(0, now=0.0)
+    assert watch.verdict(policy, snapshot(0, 0), now=3.0, wall=WALL, stopped=True) is None  # the normal 3 s
+    hang = watch.verdict(policy, snapshot(0, 0), now=3.5, wall=WALL, stopped=True)
+    assert hang.stopped and not hang.starting and hang.allowance == 3.0 and "process is stopped" in hang.describe()
+    watch = WorkerWatch()
+    watch.observe(0, now=0.0)
     loading = channel.LongOp("checkpoint load", None)
     assert (
         watch.verdict(policy, snapshot(1, 0, long_op=loading), now=100.0, wall=WALL) is None
@@ -477,7 +482,13 @@ def test_report_of_a_hung_worker_logs_worker_hung_with_its_details(etcd):
 
 
 # -- a WorkerGroup with real worker processes (no etcd) --------------------------------------------------------------
-def worker_group(tmp_path: Path, entrypoint: Path, script_args: list[str], timeout: float = 1.0) -> WorkerGroup:
+def worker_group(
+    tmp_path: Path,
+    entrypoint: Path,
+    script_args: list[str],
+    timeout: float = 1.0,
+    startups: StartupHistory | None = None,
+) -> WorkerGroup:
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -493,11 +504,18 @@ def worker_group(tmp_path: Path, entrypoint: Path, script_args: list[str], timeo
         node_id="n",
     )
     member = Member("n", 1, 0, 1, 0, "127.0.0.1")
-    return WorkerGroup(config, one_member_round(member), member, MasterRecord(addr="127.0.0.1", port=1))
+    master = MasterRecord(addr="127.0.0.1", port=1)
+    return WorkerGroup(config, one_member_round(member), member, master, startups=startups)
 
 
-def run_group(tmp_path: Path, script_args: list[str], timeout: float = 1.0, deadline_s: float = 30.0):
-    group = worker_group(tmp_path, PATTERN, script_args, timeout)
+def run_group(
+    tmp_path: Path,
+    script_args: list[str],
+    timeout: float = 1.0,
+    deadline_s: float = 30.0,
+    startups: StartupHistory | None = None,
+):
+    group = worker_group(tmp_path, PATTERN, script_args, timeout, startups)
     group.start()
     try:
         deadline = time.monotonic() + deadline_s
@@ -521,6 +539,23 @@ def test_a_stopped_worker_is_found_hung_its_stacks_dumped_and_killed(tmp_path):
     stderr = (logs / "stderr.log").read_text()
     assert "Current thread 0x" in stderr and 'heartbeat_pattern.py", line' in stderr
     assert failure.traceback and "Current thread" in failure.traceback  # what the job's failure summary shows
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_stopped_before_its_first_heartbeat_is_held_to_the_normal_allowance(tmp_path):
+    """Issue #17: a worker SIGSTOPped right after its round started, before its first heartbeat, was judged by the
+    start-up allowance (5 x the longest start-up seen on the node: here 100 s) and the round never trained. A
+    stopped process starts nothing: it gets the normal allowance (1 s here)."""
+    startups = StartupHistory()
+    startups.record(20.0)
+    started = time.monotonic()
+    outcome, failures, _ = run_group(tmp_path, ["--beats", "0", "--then", "stop"], deadline_s=30, startups=startups)
+    found_s = time.monotonic() - started
+    assert outcome is WorkerOutcome.FAILED
+    [failure] = failures
+    assert failure.hung and failure.last_step is None
+    assert "its process is stopped" in failure.message and "(allowance 1s)" in failure.message, failure.message
+    assert found_s < 20, f"found hung after {found_s:.1f}s (start-up allowance 100 s, normal 1 s)"
 
 
 @pytest.mark.timeout(60)
