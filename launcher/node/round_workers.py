@@ -114,9 +114,14 @@ class RoundWorkers:
                 self.group.request_drain(request.number)
                 run.drain_asked = request.number
             pending = self.group.drain_answer(request.number)
-            if pending is None:
+            why = self.group.why_no_drain() if pending is None else None
+            if pending is None and why is None:
                 return  # still saving
-            answer = pending
+            if why is not None:
+                logger.warning(
+                    "round %d: the workers cannot drain (%s): answering without a checkpoint", run.round, why
+                )
+            answer = pending if pending is not None else DrainReport(number=request.number, step=None)
         if self.store.report_drained(run.round, run.revision, self.node_id, answer):
             run.drain_answered = request.number
             if answer.step is not None:

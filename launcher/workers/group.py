@@ -199,6 +199,18 @@ class WorkerGroup:
             return None
         return DrainReport(number=number, step=max((s.step for s in draining if s.step is not None), default=None))
 
+    def why_no_drain(self) -> str | None:
+        """What shows that the workers cannot drain (None: nothing does): one of them is stopped, or every one
+        is silent past several of its step intervals outside a long operation (a drain's save is one), so none
+        will reach the next step boundary."""
+        stopped = self.watchdog.stopped(self.processes)
+        if stopped:
+            return f"worker local_rank {stopped[0]} is stopped"
+        stall = self.watchdog.stall
+        if stall is not None:
+            return f"every worker has been silent for {stall.seconds_silent:.1f}s, several of its step intervals"
+        return None
+
     def stall(self) -> Stall | None:
         """Every worker silent for several of its step intervals, as of the last poll (watchdog_rules.stall_of)."""
         return self.watchdog.stall

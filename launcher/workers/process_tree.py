@@ -89,6 +89,7 @@ def stop_group(processes: list[subprocess.Popen], grace_s: float, first_signal: 
     for process in processes:
         if process.poll() is None:
             signal_group(process, first_signal)
+            signal_group(process, signal.SIGCONT)  # a stopped process acts on no signal until continued
     deadline = time.monotonic() + grace_s
     for process in processes:
         remaining = deadline - time.monotonic()

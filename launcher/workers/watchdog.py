@@ -108,6 +108,14 @@ class Watchdog:
         if running and not any(worker.hang for worker in self.workers):
             self.stall = stall_of([(w.watch.silent_for(now), w.watch.current()) for w in self.workers])
 
+    def stopped(self, processes: list[subprocess.Popen]) -> list[int]:
+        """The local ranks of the running workers whose process is stopped (SIGSTOP): they answer nothing."""
+        return [
+            local_rank
+            for local_rank, (worker, process) in enumerate(zip(self.workers, processes))
+            if process.poll() is None and self._stopped(worker, process)
+        ]
+
     def request_drain(self, number: int) -> None:
         """Ask every worker for drain `number` (0 withdraws it) through its channel."""
         for worker in self.workers:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Callable
 
 import pytest
 from launcher_harness import REPO
 from test_elastic_training import TINY
+
+from launcher.workers.process_tree import child_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -99,3 +102,30 @@ def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster,
         f"\nSIGTERM to one of 3 with a drain: round 0 trained steps 1-{max(rounds[0])}, drained at step "
         f"{drained[0]['step']}; round 1 went on from step {min(rounds[1])}; nothing redone"
     )
+
+
+def test_an_agent_told_to_stop_whose_worker_cannot_drain_leaves_at_once(cluster, tmp_path):
+    """Issue #17: SIGTERM to an agent whose worker is stopped (it can answer no drain, and handles no SIGTERM)
+    waited --drain-timeout (60 s) for the drain, then --shutdown-timeout (30 s) for the worker, while the job
+    waited for it; the controller evicted it after close_timeout (30 s). The stopped worker shows the drain
+    cannot happen: the agent answers it without a checkpoint, continues the worker with its SIGTERM, and leaves
+    within seconds; the others go on from their newest snapshot."""
+    steps = 100
+    agents, _ = start_training(cluster, tmp_path, "abc", steps)
+    [worker] = child_pids(agents[2].pid)
+    os.kill(worker, signal.SIGSTOP)
+    os.kill(agents[2].pid, signal.SIGTERM)  # a preemption notice
+    told = time.monotonic()
+    assert agents[2].wait(timeout=60) == 128 + signal.SIGTERM, cluster.dump()
+    left_s = time.monotonic() - told
+    for agent in agents[:2]:
+        assert agent.wait(timeout=180) == 0, cluster.dump()
+
+    assert left_s < 10, f"the agent took {left_s:.1f}s to leave\n{cluster.dump()}"
+    assert [e["node"] for e in cluster.events("node_left")] == ["c"] and not cluster.events("node_lost")
+    last = cluster.events("round_started")[-1]
+    assert (last["reason"], last["world_size"]) == ("node_left", 2)
+    rounds = steps_by_round(tmp_path / "samples.jsonl")
+    trained = set().union(*rounds.values())
+    assert trained == set(range(1, steps + 1)), f"steps skipped: {sorted(set(range(1, steps + 1)) - trained)}"
+    print(f"\nSIGTERM to one of 3 whose worker was stopped: it left after {left_s:.1f}s")
