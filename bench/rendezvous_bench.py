@@ -188,6 +188,7 @@ def host_main(index: int, spec: dict, conn, events) -> None:
     signal.signal(signal.SIGUSR1, dump_stacks)
     from launcher.config import LaunchConfig, RendezvousSettings
     from launcher.etcd import client as etcd_client
+    from launcher.etcd.lease_keeper import LeaseRoutes
     from launcher.node.agent import Agent
     from launcher.rendezvous.records import NodeRecord
     from launcher.workers.group import WorkerOutcome
@@ -271,7 +272,7 @@ def host_main(index: int, spec: dict, conn, events) -> None:
 
     client = etcd_client.connect(spec["endpoint"])
     shared = None
-    lease_routes = etcd_client.LEASE_ROUTES
+    lease_routes: LeaseRoutes = etcd_client.LEASE_ROUTES
     if spec["keepalive"] == "shared":
         # every agent of this host process is simulated, so the shared stream stands in for its refreshes
         shared = SharedKeepAlive(client)

@@ -158,7 +158,7 @@ class LeaseKeeper:
         with self._lock:
             del self._busy[endpoint]
             previous = self._times.confirmed
-            answered = bool(responses) and responses[0].TTL > 0
+            answered = responses is not None and len(responses) > 0 and responses[0].TTL > 0
             confirmed = max(previous, sent) if answered else previous
             self._times = RefreshTimes(self._times.sent, confirmed, len(self._busy))
             gone = responses is not None and len(responses) > 0 and responses[0].TTL <= 0
