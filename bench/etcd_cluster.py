@@ -29,6 +29,7 @@ class EtcdCluster:
         self.client_ports = [free_port(HOST) for _ in self.names]
         self.peer_ports = [free_port(HOST) for _ in self.names]
         self.processes: list[subprocess.Popen] = []
+        self.commands: list[list[str]] = []
 
     @property
     def endpoints(self) -> list[str]:
@@ -64,11 +65,8 @@ class EtcdCluster:
                 "--log-level",
                 "error",
             ]
-            os.makedirs(self.data_dir, exist_ok=True)
-            with open(os.path.join(self.data_dir, f"{name}.log"), "ab") as log:
-                self.processes.append(
-                    subprocess.Popen(orphan_safe_command(command), stdout=log, stderr=log, start_new_session=True)
-                )
+            self.commands.append(command)
+            self.processes.append(self._launch(name, command))
         deadline = time.monotonic() + timeout_s
         while self.leader() is None:
             if time.monotonic() > deadline:
@@ -77,6 +75,29 @@ class EtcdCluster:
             time.sleep(0.1)
         logger.info("started a %d-member etcd cluster %s (leader m%d)", len(self.names), self.endpoint, self.leader())
         return self
+
+    def _launch(self, name: str, command: list[str]) -> subprocess.Popen:
+        os.makedirs(self.data_dir, exist_ok=True)
+        with open(os.path.join(self.data_dir, f"{name}.log"), "ab") as log:
+            return subprocess.Popen(orphan_safe_command(command), stdout=log, stderr=log, start_new_session=True)
+
+    def restart(self, member: int, timeout_s: float = 30.0) -> None:
+        """Start a killed member again on its data (a crashed host back); returns once it follows a leader."""
+        self.processes[member] = self._launch(self.names[member], self.commands[member])
+        client = etcd_client.connect(self.endpoints[member], timeout=1.0)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    if client.status().leader is not None:
+                        return
+                except Exception:  # noqa: BLE001 - still starting
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd member {self.names[member]} did not rejoin within {timeout_s:.0f} s")
+                time.sleep(0.1)
+        finally:
+            etcd_client.close(client)
 
     @property
     def pids(self) -> list[int]:

@@ -108,6 +108,37 @@ def delta(before: Sample, after: Sample) -> Delta:
     )
 
 
+def scrape_members(endpoints: list[str], timeout: float = 10.0) -> dict[str, Sample]:
+    """One scrape of each member of a cluster (each counts the requests it served); one that does not answer is
+    left out."""
+    samples = {}
+    for endpoint in endpoints:
+        try:
+            samples[endpoint] = scrape(endpoint, timeout)
+        except OSError:
+            continue
+    return samples
+
+
+def delta_members(before: dict[str, Sample], after: dict[str, Sample]) -> Delta:
+    """The cluster's delta over the members scraped at both ends (a member killed in between is left out, its
+    requests uncounted); proposals are the most any member committed (each commits every proposal)."""
+    deltas = [delta(before[endpoint], after[endpoint]) for endpoint in before if endpoint in after]
+    by_method: dict[str, float] = {}
+    for one in deltas:
+        for method, value in one.by_method.items():
+            by_method[method] = by_method.get(method, 0.0) + value
+    return Delta(
+        seconds=max(one.seconds for one in deltas),
+        requests=sum(one.requests for one in deltas),
+        keepalives=sum(one.keepalives for one in deltas),
+        calls=sum(one.calls for one in deltas),
+        proposals=max(one.proposals for one in deltas),
+        sent_bytes=sum(one.sent_bytes for one in deltas),
+        by_method=by_method,
+    )
+
+
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process (and its reaped children), from /proc."""
     import os

@@ -24,6 +24,13 @@ For each N in --agents (one fresh etcd and one fresh set of processes per N):
        record written -> every survivor entered it -> every survivor acknowledged it.
   5. the host processes are killed and etcd stopped (the job is thrown away with its etcd).
 
+With --etcd-members K > 1 the agents use a local K-member cluster at etcd's default timing (bench/etcd_cluster.py).
+After step 3 its leader is SIGKILLed; a lease and 2 s later the round must be the same, every node registered and
+no agent fenced (a fenced or lapsed agent registers again: an anomaly) (`leader_killed_idle`, with the election's
+seconds); the member then restarts on its data. In step 4 the leader is killed again the moment the victim's lease
+ends (`leader_killed_in_reform`): reform_s includes that election. Request counts sum the members running at both
+ends of a window (a killed member's requests go uncounted).
+
 Requests, raft proposals and bytes come from etcd's /metrics (see bench/etcd_metrics.py for what counts as a
 request). `requests_per_round` is the delta from the death to every survivor having acknowledged round 1, less
 the lease refreshes in that window (which go on regardless of rounds; reported as keepalives_in_round_window);
@@ -59,6 +66,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
@@ -150,8 +158,11 @@ class SharedKeepAlive:
         return slot
 
     def _run(self) -> None:
+        import grpc
+
         while True:
             requests = self._queue
+            endpoint = self._client.endpoint_label
             try:
                 for response in self._client.leasestub.LeaseKeepAlive(iter(requests.get, None)):
                     with self._lock:
@@ -160,7 +171,12 @@ class SharedKeepAlive:
                     if waiter is not None:
                         waiter[1].append(response)
                         waiter[0].set()
-            except Exception:  # noqa: BLE001 - the stream broke: open another; waiters time out and retry
+            except grpc.RpcError as exc:  # the stream broke: open another (elsewhere if its member failed)
+                try:
+                    self._client.on_endpoint_error(endpoint, exc)
+                except Exception:  # noqa: BLE001 - it raises ours; waiters time out and retry
+                    pass
+            except Exception:  # noqa: BLE001 - waiters time out and retry
                 pass
             self._queue = queue.Queue()
             requests.put(None)
@@ -520,15 +536,56 @@ class KeyWatch:
                 pass
 
 
-def cpu_snapshot(hosts: Hosts, etcd_pid: int) -> dict[str, float]:
-    return {
-        "etcd": etcd_metrics.process_cpu_seconds(etcd_pid),
-        "hosts": sum(etcd_metrics.process_cpu_seconds(pid) for pid in hosts.pids),
+def kill_leader_while_idle(cluster, hosts: Hosts, client, keys, ttl: int) -> dict:
+    """Kill the etcd leader while the job idles; a lease and more later nothing may have changed: the same round,
+    every node registered, no agent fenced (it would register again: an anomaly). The member then comes back, so
+    that the re-form phase can lose another leader and keep a quorum."""
+    from launcher.etcd import client as etcd_client
+    from launcher.rendezvous.records import RoundHeader
+
+    def current_round() -> int:
+        raw, _ = etcd_client.call_with_retry(client.get, keys.round)
+        return RoundHeader.loads(raw).round
+
+    hosts.drain()
+    disturbed_before = len(hosts.anomalies)
+    round_before = current_round()
+    leader = cluster.leader()
+    killed = cluster.kill(leader)
+    while (elected := cluster.leader()) in (None, leader):
+        if time.time() - killed > 30:
+            raise Timeout("the etcd cluster elected no new leader within 30 s")
+        time.sleep(0.05)
+    elected_s = time.time() - killed
+    time.sleep(ttl + 2.0)  # past the deadline of a fence, and of an expiry
+    hosts.drain()
+    nodes = etcd_client.call_with_retry(client.get_prefix_response, keys.nodes, count_only=True).count
+    disturbed = hosts.anomalies[disturbed_before:]
+    outcome = {
+        "member": leader,
+        "elected": elected,
+        "elected_s": round(elected_s, 2),
+        "round_changed": current_round() != round_before,
+        "nodes_registered": nodes,
+        "agents_disturbed": len(disturbed),
     }
+    if disturbed:
+        outcome["first_disturbance"] = disturbed[0][:300]
+    cluster.restart(leader)
+    return outcome
+
+
+def cpu_snapshot(hosts: Hosts, etcd_pids: list[int]) -> dict[str, float]:
+    """CPU seconds of the host processes, and of each etcd member (`etcd:<pid>`)."""
+    snapshot = {f"etcd:{pid}": etcd_metrics.process_cpu_seconds(pid) for pid in etcd_pids}
+    snapshot["hosts"] = sum(etcd_metrics.process_cpu_seconds(pid) for pid in hosts.pids)
+    return snapshot
 
 
 def cpu_delta(before: dict, after: dict) -> dict[str, float]:
-    return {k: round(after[k] - before[k], 2) for k in before}
+    """CPU seconds spent in between: the hosts', and etcd's over the members running at both ends."""
+    etcd = sum(after[k] - before[k] for k in before if k.startswith("etcd:") and after.get(k, 0.0) > 0.0)
+    return {"etcd": round(etcd, 2), "hosts": round(after["hosts"] - before["hosts"], 2)}
 
 
 class Profiler:
@@ -615,6 +672,8 @@ def summarize_profile(path: str, top: int = 12) -> dict:
 
 
 def run_one(n: int, args: argparse.Namespace) -> dict:
+    from etcd_cluster import EtcdCluster
+
     from elastic.node_memory import node_memory_dir
     from launcher.etcd import client as etcd_client
     from launcher.etcd.server import EtcdServer
@@ -626,12 +685,25 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
     rdzv_id = f"bench{n}"
     keys = JobKeys(rdzv_id)
     result: dict = {"agents": n}
-    etcd = hosts = client = watch = None
+    etcd: Any = None
+    hosts = client = watch = None
     phase_started = time.monotonic()
     try:
-        etcd = EtcdServer(data_dir=os.path.join(args.etcd_dir or workdir, f"etcd-{n}")).start()
-        assert etcd.process is not None  # start() launched it
-        etcd_pid = etcd.process.pid
+        etcd_dir = os.path.join(args.etcd_dir or workdir, f"etcd-{n}")
+        cluster = EtcdCluster(args.etcd_members, etcd_dir).start() if args.etcd_members > 1 else None
+        server = EtcdServer(data_dir=etcd_dir).start() if cluster is None else None
+        etcd = cluster or server
+        result["etcd_members"] = args.etcd_members
+
+        def etcd_pids() -> list[int]:
+            if cluster is not None:
+                return cluster.pids
+            assert server is not None and server.process is not None, "started"
+            return [server.process.pid]
+
+        def scrape() -> dict:
+            return etcd_metrics.scrape_members(cluster.metrics_endpoints() if cluster else [etcd.endpoint])
+
         client = etcd_client.connect(etcd.endpoint)
         slices = plan_hosts(n, args.agents_per_process)
         holdback = slices[-1][-1]
@@ -665,19 +737,19 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         hosts.drain()
 
         # -- round 0 -----------------------------------------------------------------------------------------
-        m0, c0 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
+        m0, c0 = scrape(), cpu_snapshot(hosts, etcd_pids())
         profiler = None
         if args.sample:
             holder_raw, _ = client.get(keys.controller)
             controller_host = hosts.host_of[holder_raw.decode().split("#")[0]]
             profiled = {f"host{i}": hosts.pids[i] for i in sorted({controller_host, len(slices) - 1})}
             profiler = Profiler(profiled, workdir, "form")
-            m0, c0 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
+            m0, c0 = scrape(), cpu_snapshot(hosts, etcd_pids())
         hosts.ask(hosts.host_of[holdback], "start", holdback)
         last_registration = hosts.wait_for("registered", None, n, 60, "last agent registered")
         known = hosts.wait_for("entered", 0, n, args.phase_deadline, "agents know their rank in round 0")
-        m1, c1 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
-        to_known = etcd_metrics.delta(m0, m1)
+        m1, c1 = scrape(), cpu_snapshot(hosts, etcd_pids())
+        to_known = etcd_metrics.delta_members(m0, m1)
         result.update(
             form_s=round(known - last_registration, 3),
             form_bytes_to_known=int(to_known.sent_bytes),
@@ -691,14 +763,14 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         )
         workers = hosts.wait_for("workers", 0, n, args.phase_deadline, "agents started round 0 workers")
         acked = hosts.wait_for("acked", 0, n, args.phase_deadline, "agents acknowledged round 0")
-        m2, c2 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
-        form = etcd_metrics.delta(m0, m2)
+        m2, c2 = scrape(), cpu_snapshot(hosts, etcd_pids())
+        form = etcd_metrics.delta_members(m0, m2)
         result.update(
             form_s=round(known - last_registration, 3),
             form_workers_s=round(workers - last_registration, 3),
             form_acked_s=round(acked - last_registration, 3),
             form_requests=int(form.requests_without_keepalives),
-            form_requests_to_known=int(etcd_metrics.delta(m0, m1).requests_without_keepalives),
+            form_requests_to_known=int(etcd_metrics.delta_members(m0, m1).requests_without_keepalives),
             form_bytes=int(form.sent_bytes),
             form_proposals=int(form.proposals),
             form_cpu_s=cpu_delta(c0, c2),
@@ -717,10 +789,10 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         stats = hosts.ask_all("stats")
         result["threads_per_process"] = max(s["os_threads"] for s in stats)
         result["rss_mib_per_process"] = round(max(s["rss_mib"] for s in stats))
-        m3, c3 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
+        m3, c3 = scrape(), cpu_snapshot(hosts, etcd_pids())
         time.sleep(args.idle_seconds)
-        m4, c4 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
-        idle = etcd_metrics.delta(m3, m4)
+        m4, c4 = scrape(), cpu_snapshot(hosts, etcd_pids())
+        idle = etcd_metrics.delta_members(m3, m4)
         shared_refreshes = sum(s["shared_refreshes"] for s in hosts.ask_all("stats")) - sum(
             s["shared_refreshes"] for s in stats
         )
@@ -746,6 +818,10 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             result["idle_proposals_s"],
         )
 
+        if cluster is not None:
+            result["leader_killed_idle"] = kill_leader_while_idle(cluster, hosts, client, keys, ttl)
+            logger.info("  etcd leader killed while idle: %s", result["leader_killed_idle"])
+
         # -- one agent dies; round 1 -------------------------------------------------------------------------
         holder_raw, _ = client.get(keys.controller)
         controller = holder_raw.decode().split("#")[0]
@@ -761,13 +837,26 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         if args.sample:
             profiled = {f"host{i}": hosts.pids[i] for i in sorted({hosts.host_of[controller], len(slices) - 1})}
             profiler = Profiler(profiled, workdir, "reform")
-        m5, c5 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
+        m5, c5 = scrape(), cpu_snapshot(hosts, etcd_pids())
         death = hosts.ask(hosts.host_of[victim], "kill", victim)
+        if cluster is not None:
+            # the leader dies the moment the victim's lease ends: the re-form starts without it
+            while watch.deleted_at is None:
+                if time.time() - death > ttl + args.phase_deadline:
+                    raise Timeout(f"the victim's lease did not end within {ttl + args.phase_deadline:.0f} s")
+                time.sleep(0.005)
+            leader = cluster.leader()
+            assert leader is not None, "a cluster with a quorum has a leader"
+            killed = cluster.kill(leader)
+            result["leader_killed_in_reform"] = {
+                "member": leader,
+                "after_expiry_s": round(killed - watch.deleted_at, 3),
+            }
         known1 = hosts.wait_for("entered", 1, n - 1, ttl + args.phase_deadline, "survivors know round 1")
-        m6 = etcd_metrics.scrape(etcd.endpoint)
+        m6 = scrape()
         acked1 = hosts.wait_for("acked", 1, n - 1, args.phase_deadline, "survivors acknowledged round 1")
-        m7, c7 = etcd_metrics.scrape(etcd.endpoint), cpu_snapshot(hosts, etcd_pid)
-        reform = etcd_metrics.delta(m5, m7)
+        m7, c7 = scrape(), cpu_snapshot(hosts, etcd_pids())
+        reform = etcd_metrics.delta_members(m5, m7)
         expired, written = watch.deleted_at, watch.rounds.get(1)
         result.update(
             reform_s=round(known1 - death - ttl, 3),
@@ -781,7 +870,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                 "all_know->all_acked": round(acked1 - known1, 3),
             },
             requests_per_round=int(reform.requests_without_keepalives),
-            requests_per_round_to_known=int(etcd_metrics.delta(m5, m6).requests_without_keepalives),
+            requests_per_round_to_known=int(etcd_metrics.delta_members(m5, m6).requests_without_keepalives),
             keepalives_in_round_window=int(reform.keepalives),
             bytes_per_round=int(reform.sent_bytes),
             proposals_per_round=int(reform.proposals),
@@ -977,6 +1066,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--budget", type=float, default=840.0, help="skip the remaining N past this many seconds (default 840)"
+    )
+    parser.add_argument(
+        "--etcd-members",
+        type=int,
+        default=1,
+        help="etcd cluster size (default 1); with more, the leader is killed while the job idles, and again the "
+        "moment the re-form begins",
     )
     parser.add_argument("--etcd-dir", default=None, help="where etcd keeps its data (default: a temp dir on /tmp)")
     parser.add_argument(

@@ -8,8 +8,9 @@ each answer, or sent every refresh through one member, would hear of the new lea
 healthy node (a new leader extends every lease when it takes over: nothing was at risk). A refresh confirmed
 through another member while the client's member still holds an older one moves the client there.
 
-With one endpoint refreshes never overlap: when etcd (or this process) is short of CPU, overlapping refreshes only
-add load, and 1,024 simulated agents on one 2-core machine (bench/rendezvous_bench.py) kept losing their leases.
+With one endpoint refreshes never overlap, and the keeper's own thread makes each call: when etcd (or this process)
+is short of CPU, overlapping refreshes only add load (1,024 simulated agents on one 2-core machine,
+bench/rendezvous_bench.py, kept losing their leases), and every thread woken per refresh costs CPU there.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ class LeaseKeeper:
                     continue
                 self._busy[free[0]] = now
                 self._times = RefreshTimes(now, self._times.confirmed, len(self._busy))
+            if len(endpoints) == 1:
+                self._attempt(now, free[0])  # they never overlap: no other thread needs to wake for it
+                continue
             try:
                 self._attempts.submit(self._attempt, now, free[0])
             except RuntimeError:  # stopped meanwhile
