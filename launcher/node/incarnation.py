@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from launcher.config import LaunchConfig
-from launcher.etcd.errors import LeaseGone
+from launcher.etcd.errors import EtcdUnavailable, LeaseGone
 from launcher.etcd.lease_keeper import LeaseKeeper, LeaseRoutes
 from launcher.rendezvous.liveness import LivenessServer
 from launcher.rendezvous.protocol import JobStore, NodeIdTaken
@@ -38,26 +39,45 @@ class Incarnation:
         on_lost: Callable[[], None],
         routes: LeaseRoutes,
     ) -> Incarnation:
-        """Register a new incarnation of this node under a fresh lease, kept alive from now on."""
+        """Register a new incarnation of this node under a fresh lease, kept alive from now on.
+
+        An etcd too busy to answer (it refuses with "too many requests" while it catches up) is asked again with
+        the same lease and record, so that a registration that committed unanswered is recognised as ours, for
+        up to join_timeout; a lease that ended meanwhile is replaced."""
+        lease = record = None
+        failing_since: float | None = None
         while True:
-            lease = store.grant_lease(config.rdzv.lease_ttl)
-            liveness.incarnation = lease.id
-            record = NodeRecord(
-                node=config.node_id,
-                addr=addr,
-                nproc=config.nproc_per_node,
-                lease=lease.id,
-                pid=os.getpid(),
-                probe_port=liveness.port,
-            )
             try:
+                if lease is None or record is None:
+                    lease = store.grant_lease(config.rdzv.lease_ttl)
+                    liveness.incarnation = lease.id
+                    record = NodeRecord(
+                        node=config.node_id,
+                        addr=addr,
+                        nproc=config.nproc_per_node,
+                        lease=lease.id,
+                        pid=os.getpid(),
+                        probe_port=liveness.port,
+                    )
                 store.register(record)
                 break
             except NodeIdTaken as exc:
-                store.revoke(lease.id)
+                assert record is not None, "a registration was tried"
+                store.revoke(record.lease)
                 raise SystemExit(f"error: {exc}") from None
             except LeaseGone:
-                logger.warning("lease %x ended before registration (a stalled etcd); registering again", lease.id)
+                assert record is not None, "a registration was tried"
+                logger.warning("lease %x ended before registration (a stalled etcd); registering again", record.lease)
+                lease = record = None
+            except EtcdUnavailable as exc:
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > config.rdzv.join_timeout:
+                    raise SystemExit(
+                        f"error: etcd {config.rdzv_endpoint or '(standalone)'} has not taken this node's "
+                        f"registration for join_timeout={config.rdzv.join_timeout:g}s (last: {exc}); start the "
+                        "node again once etcd answers"
+                    ) from None
+                logger.warning("etcd did not take this node's registration (%s); asking again", exc)
         keeper = LeaseKeeper(lease, config.rdzv.keep_alive_interval, on_lost, routes=routes).start()
         logger.info("node %s (%s) joined job %s, lease %ds", config.node_id, addr, config.rdzv_id, lease.ttl)
         return cls(lease=lease, record=record, keeper=keeper)

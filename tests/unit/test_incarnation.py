@@ -1,0 +1,79 @@
+"""launcher.node.incarnation: registering through an etcd too busy to answer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.config import LaunchConfig, RendezvousSettings
+from launcher.etcd.errors import EtcdUnavailable
+from launcher.node.incarnation import Incarnation
+
+
+class _BusyStore:
+    """Refuses registrations `refusals` times ("too many requests"), committing the first one unanswered."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.leases = 0
+        self.registered: list = []
+
+    def grant_lease(self, ttl: int):
+        self.leases += 1
+        return SimpleNamespace(id=self.leases, ttl=ttl)
+
+    def register(self, record) -> None:
+        self.registered.append(record)
+        if self.refusals:
+            self.refusals -= 1
+            raise EtcdUnavailable("UNKNOWN: etcdserver: too many requests")
+
+
+class _NoRoutes:
+    def endpoints(self, lease):
+        return ["m0"]
+
+    def refresh(self, lease, deadline, endpoint):
+        return [SimpleNamespace(TTL=3)]
+
+    def prefer(self, lease, endpoint):
+        raise AssertionError("one endpoint")
+
+
+def _config(join_timeout: float) -> LaunchConfig:
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=1,
+        rdzv_endpoint="127.0.0.1:2379",
+        rdzv_id="job",
+        rdzv=RendezvousSettings(join_timeout=join_timeout),
+        entrypoint="train.py",
+        node_id="n0",
+    )
+
+
+def _register(store, join_timeout: float) -> Incarnation:
+    liveness = SimpleNamespace(port=1, incarnation=0)
+    return Incarnation.register(store, _config(join_timeout), "10.0.0.1", liveness, lambda: None, _NoRoutes())
+
+
+@pytest.mark.timeout(10)
+def test_a_busy_etcd_is_asked_again_with_the_same_lease_and_record():
+    """Issue #18: 4,096 simulated agents crashed on etcd's "too many requests"; asked again with the same record,
+    a registration that committed unanswered is found to be ours, not another node's."""
+    store = _BusyStore(refusals=2)
+    me = _register(store, join_timeout=60)
+    me.keeper.stop()
+    assert store.leases == 1 and len(store.registered) == 3
+    assert all(record == store.registered[0] for record in store.registered)
+    assert me.record == store.registered[0] and me.lease.id == 1
+
+
+@pytest.mark.timeout(10)
+def test_an_etcd_that_takes_no_registration_for_join_timeout_ends_the_agent_with_one_line():
+    with pytest.raises(SystemExit) as ended:
+        _register(_BusyStore(refusals=10**9), join_timeout=0.2)
+    assert "has not taken this node's registration for join_timeout=0.2s" in str(ended.value)
+    assert "\n" not in str(ended.value)
