@@ -50,6 +50,7 @@ _LOG_SYNC_EVERY_S = 0.5
 # before the next one batches the storm and caps the controller at a fraction of a core.
 _PAUSE_PER_READ = 4.0
 _MAX_PAUSE_S = 0.25
+_RESTART_AFTER_S = 1.0  # after etcd did not answer for a whole retry deadline: a pause, then lead again
 _MAX_PARALLEL_PROBES = 64
 
 
@@ -81,17 +82,25 @@ class Controller:
         self._synced_version = -1  # the mirror version whose events membership.jsonl has: idle costs no reads
 
     def run(self, stop: threading.Event) -> None:
-        """Lead until the job ends, `stop` is set, or another holder appears; never raises."""
+        """Lead until the job ends, `stop` is set, or another holder appears; never raises, and an etcd that does
+        not answer for long makes it start over, not stop."""
         logger.info("%s now controls rendezvous of job %s", self.holder.node, self.settings.rdzv_id)
-        mirror = None
-        try:
-            mirror = RangeMirror(self.store.client, self.store.keys.state).start()
-            self._lead(mirror, stop)
-        except Exception:
-            logger.exception("controller of job %s stopped", self.settings.rdzv_id)
-        finally:
-            if mirror is not None:
-                mirror.close()
+        while not stop.is_set():
+            mirror = None
+            try:
+                mirror = RangeMirror(self.store.client, self.store.keys.state).start()
+                self._lead(mirror, stop)
+                return
+            except EtcdUnavailable as exc:
+                # we hold the controller key: stopping here would leave the job with no controller at all
+                logger.warning("controller: etcd did not answer for long (%s); starting over", exc)
+                stop.wait(_RESTART_AFTER_S)
+            except Exception:
+                logger.exception("controller of job %s stopped", self.settings.rdzv_id)
+                return
+            finally:
+                if mirror is not None:
+                    mirror.close()
 
     def _lead(self, mirror: RangeMirror, stop: threading.Event) -> None:
         now = time.monotonic()
