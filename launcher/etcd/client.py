@@ -151,7 +151,7 @@ class _FailoverClient(HookedClient):
         return self.endpoint_in_use.channel  # on_grpc_error moves on; nothing to decide here
 
     def on_grpc_error(self, exc: grpc.RpcError) -> NoReturn:
-        self.on_endpoint_error(self.endpoint_label, exc)
+        self.on_endpoint_error(self.call_endpoint, exc)
 
     def on_endpoint_error(self, endpoint: str, exc: grpc.RpcError) -> NoReturn:
         """A call through `endpoint` failed with `exc`: fail over if that is the endpoint in use; raise ours."""

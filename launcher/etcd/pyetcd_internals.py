@@ -10,7 +10,8 @@ shape used here, so an upgrade is noticed in CI, not in a job that cannot fail o
   `_handle_errors` decorator) and raises what it raises: the one place to turn errors into ours.
 - `MultiEndpointEtcd3Client._current_endpoint_label` (a settable property) and `_clear_old_stubs()`: the endpoint
   in use; dropping the stubs cached for it closes its watcher.
-- `authstub` and `leasestub`: the stubs cached for the endpoint in use; `metadata` and `call_credentials`: what
+- `authstub`, `kvstub`, `clusterstub`, `leasestub` and `maintenancestub`: properties returning the stubs cached
+  for the endpoint in use, read at the start of every unary call; `metadata` and `call_credentials`: what
   every call sends, a login token among them; `pyetcd.client.EtcdTokenCallCredentials` wraps a token.
 - `Watcher._lock`, `_callback_thread`, `_stopping` and `_request_queue`: what `Watcher.close` touches; and the
   watcher opens its stream with `watchstub.Watch(requests, credentials=..., metadata=...)`.
@@ -21,6 +22,7 @@ shape used here, so an upgrade is noticed in CI, not in a job that cannot fail o
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Any, NoReturn
 
 import grpc
@@ -32,8 +34,39 @@ from pyetcd.client import EtcdTokenCallCredentials
 CHECKED_WITH_PYETCD = "etcd-sdk-python 0.0.7"  # the release whose private parts these were written against
 
 
+STUB_PROPERTIES = ("authstub", "kvstub", "clusterstub", "leasestub", "maintenancestub")
+
+
+def _noting_the_endpoint(name: str) -> property:
+    """pyetcd's stub property `name`, which also notes, for the calling thread, the endpoint its call goes to."""
+    stub_of = getattr(pyetcd.MultiEndpointEtcd3Client, name).fget
+
+    def get_stub(self: HookedClient):
+        self._calling().endpoint = self._current_endpoint_label
+        return stub_of(self)
+
+    return property(get_stub)
+
+
 class HookedClient(pyetcd.MultiEndpointEtcd3Client):
     """pyetcd's multi-endpoint client with the private parts our client uses, under names of ours."""
+
+    authstub = _noting_the_endpoint("authstub")
+    kvstub = _noting_the_endpoint("kvstub")
+    clusterstub = _noting_the_endpoint("clusterstub")
+    leasestub = _noting_the_endpoint("leasestub")
+    maintenancestub = _noting_the_endpoint("maintenancestub")
+
+    @property
+    def call_endpoint(self) -> str:
+        """The endpoint the calling thread's latest unary call went to: where its error came from, whatever
+        endpoint other threads have moved the client to since."""
+        return getattr(self._calling(), "endpoint", None) or self._current_endpoint_label
+
+    def _calling(self) -> threading.local:
+        """Per thread, of this client: the endpoint of its latest call (made on first use: pyetcd's constructor
+        already calls, to log in)."""
+        return self.__dict__.setdefault("_calls_by_thread", threading.local())
 
     def _manage_grpc_errors(self, exc: grpc.RpcError) -> NoReturn:
         self.on_grpc_error(exc)

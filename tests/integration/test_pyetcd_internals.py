@@ -43,7 +43,7 @@ def test_the_client_has_every_private_part_we_use():
     client_class = pyetcd.MultiEndpointEtcd3Client
     for method in ("_manage_grpc_errors", "_clear_old_stubs"):
         assert callable(getattr(client_class, method, None)), f"pyetcd's client lost {method}: {UPDATE}"
-    for name in ("_current_endpoint_label", "authstub", "leasestub"):
+    for name in ("_current_endpoint_label", *pyetcd_internals.STUB_PROPERTIES):
         assert isinstance(getattr(client_class, name, None), property), f"pyetcd's client lost {name}: {UPDATE}"
     assert client_class._current_endpoint_label.fset is not None, f"the endpoint in use can no longer be set: {UPDATE}"
     assert issubclass(EtcdTokenCallCredentials, grpc.AuthMetadataPlugin), UPDATE
@@ -65,6 +65,49 @@ def test_every_unary_call_hands_its_grpc_error_to_the_hook():
         with pytest.raises(grpc.RpcError) as raised:
             client.keep_alive_once(7, 1.0, client.endpoint_label)  # a stream of our own: not routed, raised as it is
         assert raised.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        client.close()
+
+
+def test_an_error_is_charged_to_the_endpoint_its_call_went_to():
+    """Issue #18: with 256 agents sharing a client, an etcd member killed under calls in flight failed every
+    endpoint in turn, healthy ones too: each late error was charged to the endpoint the client had just moved to,
+    which moved it again, closing the watches of every agent each time (a 3-member etcd, its leader killed: no
+    agent saw the next round for 40 s). Each thread notes the endpoint of its own call."""
+    dead, live = "127.0.0.1:1", "127.0.0.2:1"
+
+    class Client(HookedClient):
+        def __init__(self) -> None:
+            nobody = [pyetcd.Endpoint(host, 1, secure=False) for host in ("127.0.0.1", "127.0.0.2")]
+            super().__init__(endpoints=nobody, timeout=1.0, failover=True)
+            self.charged: list[str] = []
+
+        def on_grpc_error(self, exc):
+            self.charged.append(self.call_endpoint)
+            raise RuntimeError("seen") from exc
+
+    client = Client()
+    try:
+        client.use_endpoint(dead)
+        started, moved = threading.Event(), threading.Event()
+
+        def late_call() -> None:
+            stub = client.kvstub  # the call starts on the dead endpoint...
+            started.set()
+            moved.wait(5)  # ...and fails after another thread moved the client
+            try:
+                stub.Range(etcdrpc.RangeRequest(key=b"k"), 1.0)
+            except grpc.RpcError as exc:
+                client._manage_grpc_errors(exc)
+
+        thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, late_call))
+        thread.start()
+        assert started.wait(5)
+        client.use_endpoint(live)
+        moved.set()
+        thread.join(10)
+        assert client.charged == [dead], UPDATE
+        assert client.call_endpoint == live, "this thread never called: the endpoint in use"
     finally:
         client.close()
 
