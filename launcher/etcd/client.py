@@ -4,6 +4,7 @@ EtcdUnavailable and LeaseGone. Other refusals (no rights, a bad request) stay gR
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import ssl
@@ -103,20 +104,30 @@ class _CancellingWatcher(HookedWatcher):
 
     call = None
 
-    def __init__(self, watchstub, **kwargs) -> None:
+    def __init__(self, watchstub, on_stream_error: Callable[[grpc.RpcError], None], **kwargs) -> None:
         super().__init__(_RecordingWatchStub(watchstub, self), **kwargs)
+        self._on_stream_error = on_stream_error
 
     def close(self) -> None:
         if self.call is not None:
             self.call.cancel()
         self.end_requests()
 
-    def add_callback(self, *args, **kwargs):
+    def add_callback(self, key, callback, *args, **kwargs):
         """pyetcd hands etcd's confirmation of a new watch to whichever watch request is pending then: once one was
         given up on, a late confirmation would go to the next request, of another range perhaps, which would then
-        get that range's events. The stream is ended instead, and every watch on it resumes on a new one."""
+        get that range's events. The stream is ended instead, and every watch on it resumes on a new one.
+
+        The stream's error reaches the client before the callback: a member that died under the stream is left
+        for another, where the callback's owner then resumes its watch (no unary call need fail first)."""
+
+        def noting_stream_errors(response) -> None:
+            if isinstance(response, grpc.RpcError):
+                self._on_stream_error(response)
+            callback(response)
+
         try:
-            return super().add_callback(*args, **kwargs)
+            return super().add_callback(key, noting_stream_errors, *args, **kwargs)
         except etcd_exceptions.WatchTimedOut:
             self.close()
             raise
@@ -141,6 +152,7 @@ class _FailoverClient(HookedClient):
     def get_watcher(self):
         return _CancellingWatcher(
             etcdrpc.WatchStub(self.channel),
+            functools.partial(self._watch_stream_failed, self.endpoint_label),
             timeout=WATCH_CREATE_TIMEOUT_S,
             call_credentials=self.call_credentials,
             metadata=self.metadata,
@@ -170,6 +182,12 @@ class _FailoverClient(HookedClient):
                 self.use_endpoint(self.endpoints_to_try()[1])
                 logger.info("etcd endpoint %s failed (%s); using %s", endpoint, code.name, self.endpoint_label)
         _raise_translated(exc)
+
+    def _watch_stream_failed(self, endpoint: str, exc: grpc.RpcError) -> None:
+        try:
+            self.on_endpoint_error(endpoint, exc)
+        except Exception:  # noqa: BLE001 - it raises the launcher's error; the watch's owner resumes the watch
+            pass
 
     def endpoints_to_try(self) -> list[str]:
         """Every endpoint: the one in use, then the others from the one that failed least recently."""

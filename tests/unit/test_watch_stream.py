@@ -3,14 +3,17 @@ cannot be taken for the next request (pyetcd matches a confirmation to whichever
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 
 import grpc
+import pyetcd
 import pytest
+from pyetcd import etcdrpc
 from pyetcd.exceptions import WatchTimedOut
 
-from launcher.etcd.client import _CancellingWatcher
+from launcher.etcd.client import _CancellingWatcher, _FailoverClient
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -49,7 +52,7 @@ class SilentStub:
 
 def test_a_watch_request_given_up_on_ends_its_stream_and_the_next_opens_another():
     stub = SilentStub()
-    watcher = _CancellingWatcher(stub, timeout=0.2)
+    watcher = _CancellingWatcher(stub, on_stream_error=lambda exc: None, timeout=0.2)
     told: queue.Queue = queue.Queue()
     with pytest.raises(WatchTimedOut):
         watcher.add_callback("a", told.put)
@@ -59,3 +62,58 @@ def test_a_watch_request_given_up_on_ends_its_stream_and_the_next_opens_another(
             watcher.add_callback("b", told.put)
     assert len(stub.calls) >= 2, "later requests went out on the stream of the unconfirmed one"
     assert all(call.cancelled.is_set() for call in stub.calls), "a stream with an unconfirmed request lived on"
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "Socket closed"
+
+
+class DyingCall:
+    """A watch stream whose member confirms the watch, then dies (SIGKILLed: the connection is reset) once `die`
+    is set."""
+
+    def __init__(self, requests, die: threading.Event) -> None:
+        self.requests = iter(requests)
+        self.die = die
+
+    def __iter__(self):
+        next(self.requests)  # the create request
+        yield etcdrpc.WatchResponse(created=True, watch_id=1)
+        self.die.wait(5)
+        raise _Unavailable()
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_dead_member_under_a_watch_stream_is_left_before_the_watch_hears_of_it():
+    """Issue #18: a 3-member etcd lost its leader under the agents' watch streams; their owners resumed them on
+    the dead member, again and again, until some unary call failed over (no agent saw the next round for 40 s).
+    The stream's error now moves the client first."""
+    client = _FailoverClient(
+        endpoints=[pyetcd.Endpoint(host, 1, secure=False) for host in ("127.0.0.1", "127.0.0.2")],
+        timeout=1.0,
+        failover=True,
+    )
+    try:
+        dead = client.endpoint_label
+        die = threading.Event()
+
+        class Stub:
+            def Watch(self, requests, credentials=None, metadata=None):
+                return iter(DyingCall(requests, die))
+
+        watcher = _CancellingWatcher(
+            Stub(), on_stream_error=functools.partial(client._watch_stream_failed, dead), timeout=5
+        )
+        heard: queue.Queue = queue.Queue()
+        watcher.add_callback("k", lambda response: heard.put((response, client.endpoint_label)))
+        die.set()
+        error, endpoint_then = heard.get(timeout=5)
+        assert isinstance(error, grpc.RpcError) and endpoint_then != dead
+    finally:
+        client.close()
