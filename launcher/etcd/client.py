@@ -135,7 +135,9 @@ class _CancellingWatcher(HookedWatcher):
 
 class _FailoverClient(HookedClient):
     """Fails over as soon as a call fails, to the endpoint that failed least recently: a silently dead member is
-    not tried again while another one has not failed, and no call is refused for want of an unfailed endpoint.
+    not tried again while another one has not failed, and no call is refused for want of an unfailed endpoint. A
+    member that answered with an error of etcd's own (no leader during an election) is left but not counted as
+    failed, so that an election does not send the client back to a dead member.
     Logged in, it logs in again when etcd no longer knows its token (expired while only keep-alives flowed).
     Its calls raise the launcher's errors (`translate`)."""
 
@@ -177,7 +179,8 @@ class _FailoverClient(HookedClient):
             self._drop_call_credentials_without_tls()
             raise EtcdUnavailable("etcd forgot our login token; logged in again") from exc  # the retry repeats it
         if code in _ENDPOINT_FAILED_CODES and len(self.endpoints) > 1:
-            self.endpoints[endpoint].last_failed = time.monotonic()
+            if not _answered_by_etcd(exc):  # a member that answers is not one to avoid later
+                self.endpoints[endpoint].last_failed = time.monotonic()
             if endpoint == self.endpoint_label:
                 self.use_endpoint(self.endpoints_to_try()[1])
                 logger.info("etcd endpoint %s failed (%s); using %s", endpoint, code.name, self.endpoint_label)
@@ -197,6 +200,12 @@ class _FailoverClient(HookedClient):
 
     def _failed_at(self, label: str) -> float:
         return self.endpoints[label].last_failed
+
+
+def _answered_by_etcd(exc: grpc.RpcError) -> bool:
+    """Whether etcd itself sent the error ("etcdserver: no leader", "etcdserver: leader changed", ...): the member
+    is up, perhaps cut off from the others, perhaps electing with them (then every member says the same)."""
+    return (exc.details() or "").startswith("etcdserver:")
 
 
 class LeaseRoutes:
