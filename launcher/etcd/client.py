@@ -136,8 +136,8 @@ class _CancellingWatcher(HookedWatcher):
 class _FailoverClient(HookedClient):
     """Fails over as soon as a call fails, to the endpoint that failed least recently: a silently dead member is
     not tried again while another one has not failed, and no call is refused for want of an unfailed endpoint. A
-    member that answered with an error of etcd's own (no leader during an election) is left but not counted as
-    failed, so that an election does not send the client back to a dead member.
+    member that answers with an error of etcd's own (no leader, during an election) is kept: the election ends
+    within seconds wherever the client goes, and each move ends every watch of the client.
     Logged in, it logs in again when etcd no longer knows its token (expired while only keep-alives flowed).
     Its calls raise the launcher's errors (`translate`)."""
 
@@ -178,9 +178,8 @@ class _FailoverClient(HookedClient):
                 _raise_translated(login_error)
             self._drop_call_credentials_without_tls()
             raise EtcdUnavailable("etcd forgot our login token; logged in again") from exc  # the retry repeats it
-        if code in _ENDPOINT_FAILED_CODES and len(self.endpoints) > 1:
-            if not _answered_by_etcd(exc):  # a member that answers is not one to avoid later
-                self.endpoints[endpoint].last_failed = time.monotonic()
+        if code in _ENDPOINT_FAILED_CODES and len(self.endpoints) > 1 and not _answered_by_etcd(exc):
+            self.endpoints[endpoint].last_failed = time.monotonic()
             if endpoint == self.endpoint_label:
                 self.use_endpoint(self.endpoints_to_try()[1])
                 logger.info("etcd endpoint %s failed (%s); using %s", endpoint, code.name, self.endpoint_label)
@@ -204,7 +203,8 @@ class _FailoverClient(HookedClient):
 
 def _answered_by_etcd(exc: grpc.RpcError) -> bool:
     """Whether etcd itself sent the error ("etcdserver: no leader", "etcdserver: leader changed", ...): the member
-    is up, perhaps cut off from the others, perhaps electing with them (then every member says the same)."""
+    is up and electing with the others, where every member says the same, so moving on would only end every
+    watch of the client; a member cut off from the others makes our calls time out, which does move us."""
     return (exc.details() or "").startswith("etcdserver:")
 
 
