@@ -96,6 +96,15 @@ BENCHMARKS = [
         "3 real elastic-run agents whose workers sleep, 10 s window, default flags (lease 1 s x 3)",
     ),
     Benchmark(
+        "chaos",
+        ["bench/chaos_bench.py"],
+        900,
+        "3 nodes x 2 workers of examples/train.py (400 steps, global batch 24, a disk checkpoint every 50 steps), "
+        "--nnodes 2:3, --max-restarts 1000, lease 1 s x 3, last call 3 s, --watchdog-min 3; a fault every 15 s "
+        "cycling kill, stop (SIGKILLed 10 s later), crash, hang, term; a gone node replaced by a new one 5 s "
+        "later; the same job without faults first, in the same run",
+    ),
+    Benchmark(
         "peers",
         ["bench/peer_bench.py"],
         900,
