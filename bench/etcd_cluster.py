@@ -14,7 +14,7 @@ import subprocess
 import time
 
 from launcher.etcd import client as etcd_client
-from launcher.etcd.server import find_etcd_binary, free_port
+from launcher.etcd.server import free_port, member_command
 from launcher.workers.process_tree import orphan_safe_command
 
 logger = logging.getLogger(__name__)
@@ -45,21 +45,7 @@ class EtcdCluster:
         for name, client_port, peer_port in zip(self.names, self.client_ports, self.peer_ports):
             client_url, peer_url = f"http://{HOST}:{client_port}", f"http://{HOST}:{peer_port}"
             command = [
-                find_etcd_binary(),
-                "--name",
-                name,
-                "--data-dir",
-                os.path.join(self.data_dir, name),
-                "--listen-client-urls",
-                client_url,
-                "--advertise-client-urls",
-                client_url,
-                "--listen-peer-urls",
-                peer_url,
-                "--initial-advertise-peer-urls",
-                peer_url,
-                "--initial-cluster",
-                peers,
+                *member_command(name, os.path.join(self.data_dir, name), client_url, peer_url, peers),
                 "--initial-cluster-state",
                 "new",
                 "--log-level",

