@@ -8,7 +8,8 @@ one run on this machine:
   2. wait until the world of 6 has completed a few collectives, then --settle seconds more (a job that has
      been training a while: elastic-run's warm workers for the next round are ready by then);
   3. hit the LAST node (never the first, which hosts torchrun's c10d store): SIGKILL or SIGSTOP its agent and
-     its workers, or SIGKILL one of its workers;
+     its workers, or SIGKILL one of its workers; or (cascade) SIGKILL one worker of node1 and, 3 s after the job
+     trains again, SIGKILL the last node: a second fault while the first's round is young;
   4. time the first probe collective of the next world completed after the fault (4 workers after a lost
      node, 6 in a later round after a crash), capped at --deadline.
 
@@ -64,8 +65,14 @@ TORCHRUN_TUNED_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_
 TORCHRUN_DEFAULT_CONF = ""
 
 LAUNCHERS = ("elastic-run", "elastic-run-cold", "torchrun", "torchrun-defaults")
-FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "crash": signal.SIGKILL}
-FAULT_NAMES = {"kill": "node SIGKILL", "stop": "node SIGSTOP", "crash": "one worker SIGKILL"}
+FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "crash": signal.SIGKILL, "cascade": signal.SIGKILL}
+FAULT_NAMES = {
+    "kill": "node SIGKILL",
+    "stop": "node SIGSTOP",
+    "crash": "one worker SIGKILL",
+    "cascade": "node SIGKILL 3 s after a crash's recovery",
+}
+CASCADE_AFTER_S = 3.0  # from the first fault's recovery to the second fault
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="elastic-run,elastic-run-cold,torchrun",
         help=f"comma-separated, from {', '.join(LAUNCHERS)} (torchrun = tuned c10d conf)",
     )
-    parser.add_argument("--faults", default="kill,stop,crash", help="comma-separated, from kill, stop, crash")
+    parser.add_argument("--faults", default="kill,stop,crash", help="comma-separated, from kill, stop, crash, cascade")
     parser.add_argument(
         "--settle",
         type=float,
@@ -588,6 +595,18 @@ def run_scenario(launcher: str, fault: str, args: argparse.Namespace) -> Result:
             logger.info("  round 0 ranks: %s", first_round_ranks(job))
         probe.read_new()
         round_at_fault = max(c["round"] for c in probe.collectives)
+        if fault == "cascade":
+            first_fault = job.crash_worker(1)
+            back, why = wait_for_recovery(probe, job, first_fault, FULL_WORLD, round_at_fault, args.deadline)
+            if back is None:
+                return Result(launcher, fault, None, f"the crash before the kill: {why or 'no recovery'}")
+            logger.info(
+                "  trains again %.2f s after the crash; SIGKILL of node%d follows",
+                back["time"] - first_fault,
+                FAULTED_NODE,
+            )
+            time.sleep(CASCADE_AFTER_S)
+            round_at_fault = back["round"]
         if fault == "crash":
             fault_time = job.crash_worker(FAULTED_NODE)
         else:
