@@ -48,11 +48,16 @@ class Sample:
         return sum(self.unary.values()) + sum(self.stream_handled.values()) + sum(self.stream_msgs.values())
 
     def by_method(self) -> dict[str, float]:
-        methods: dict[str, float] = {}
-        for source in (self.unary, self.stream_msgs):
-            for method, value in source.items():
-                methods[method] = methods.get(method, 0.0) + value
-        return methods
+        return _summed([self.unary, self.stream_msgs])
+
+
+def _summed(counters: list[dict[str, float]]) -> dict[str, float]:
+    """Per-method counters added up."""
+    total: dict[str, float] = {}
+    for counter in counters:
+        for method, value in counter.items():
+            total[method] = total.get(method, 0.0) + value
+    return total
 
 
 def scrape(endpoint: str, timeout: float = 10.0) -> Sample:
@@ -122,20 +127,21 @@ def scrape_members(endpoints: list[str], timeout: float = 10.0) -> dict[str, Sam
 
 def delta_members(before: dict[str, Sample], after: dict[str, Sample]) -> Delta:
     """The cluster's delta over the members scraped at both ends (a member killed in between is left out, its
-    requests uncounted); proposals are the most any member committed (each commits every proposal)."""
-    deltas = [delta(before[endpoint], after[endpoint]) for endpoint in before if endpoint in after]
-    by_method: dict[str, float] = {}
-    for one in deltas:
-        for method, value in one.by_method.items():
-            by_method[method] = by_method.get(method, 0.0) + value
-    return Delta(
-        seconds=max(one.seconds for one in deltas),
-        requests=sum(one.requests for one in deltas),
-        keepalives=sum(one.keepalives for one in deltas),
-        calls=sum(one.calls for one in deltas),
-        proposals=max(one.proposals for one in deltas),
-        sent_bytes=sum(one.sent_bytes for one in deltas),
-        by_method=by_method,
+    requests uncounted)."""
+    common = [endpoint for endpoint in before if endpoint in after]
+    return delta(_combined([before[e] for e in common]), _combined([after[e] for e in common]))
+
+
+def _combined(samples: list[Sample]) -> Sample:
+    """The members' samples as one: requests and bytes add up; proposals are the most any member committed
+    (each member commits every proposal)."""
+    return Sample(
+        time=max(sample.time for sample in samples),
+        unary=_summed([sample.unary for sample in samples]),
+        stream_msgs=_summed([sample.stream_msgs for sample in samples]),
+        stream_handled=_summed([sample.stream_handled for sample in samples]),
+        proposals=max(sample.proposals for sample in samples),
+        sent_bytes=sum(sample.sent_bytes for sample in samples),
     )
 
 
