@@ -6,19 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from elastic.channel import long_operation
 from elastic.checkpoint.adopt import adopt_all
@@ -40,7 +33,7 @@ from elastic.checkpoint.loading import load_newest, state_dicts
 from elastic.checkpoint.memory import MemorySnapshots
 from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
-from elastic.checkpoint.writer import CheckpointWriter
+from elastic.checkpoint.saver import AttemptSaver, SaveInFlight
 from elastic.node_memory import MEMORY_DIR_ENV, memory_dir_from_env
 
 logger = logging.getLogger(__name__)
@@ -62,14 +55,6 @@ class CheckpointConfig(BaseModel):
     adopt_foreign: bool = Field(
         False, description="commit whole DCP checkpoints another tool wrote (no commit.json) at load, so they load"
     )
-
-
-@dataclass
-class _SaveInFlight:
-    attempt: Attempt
-    upload: Future
-    committed: Future  # set by rank 0 once the attempt is renamed to step-<N>; already done on other ranks
-    started: float
 
 
 class CheckpointManager:
@@ -109,14 +94,8 @@ class CheckpointManager:
         self._memory = self._memory_snapshots() if memory_every else None
         self._memory_step: int | None = None  # the step should_save chose a memory snapshot for
         self._memory_only = False  # and whether that step is not also saved to disk
-        # One stager for the manager's life: it reuses its CPU copies, so staging after the first save is a memcpy.
-        # With CUDA, the copies are pinned and filled by non-blocking copies (synchronised before the write).
-        on_gpu = torch.cuda.is_available()
-        options = StagingOptions(
-            use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=on_gpu
-        )
-        self._stager = DefaultStager(options) if async_save else None
-        self._in_flight: _SaveInFlight | None = None
+        self._saver = AttemptSaver(self._ranks, in_background=async_save)
+        self._in_flight: SaveInFlight | None = None
         self._closed = False
         self._seen_at_load: set[str] | None = None  # commits load_latest listed; a claim admits only these
         self._verified: set[str] = set()  # keys of checkpoints known readable, so retention checks each once
@@ -212,13 +191,8 @@ class CheckpointManager:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return
-
-        def finish() -> None:
-            in_flight.upload.result()
-            in_flight.committed.result()
-
         attempt = in_flight.attempt
-        self._agree_or_discard(attempt, finish, f"background save of step {attempt.step} to {attempt.target}")
+        self._agree_or_discard(attempt, in_flight.result, f"background save of step {attempt.step} to {attempt.target}")
         logger.info("committed %s, %.2fs after the save began", attempt.target, time.monotonic() - in_flight.started)
         self._verified.add(attempt.id)
         self._prune()
@@ -233,17 +207,11 @@ class CheckpointManager:
             if self._memory is not None:
                 self._memory.wait_for_copy()
         finally:
-            if self._stager is not None:
-                self._stager.close()
+            self._saver.close()
             if self._owns_group and self._ranks.group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._ranks.group)
             if self._drains.group is not None and dist.is_initialized():
                 dist.destroy_process_group(self._drains.group)
-
-    @property
-    def _single(self) -> bool:
-        """True when this process checkpoints alone, without torch.distributed."""
-        return self._ranks.group is None
 
     def _ensure_open(self) -> None:
         if self._closed:
@@ -268,51 +236,25 @@ class CheckpointManager:
         if attempt is None:
             logger.warning("%s is already committed; not saving step %d again", step_dir(self.directory, step), step)
             return
-        writer = CheckpointWriter(attempt.folder)
-        planner = DefaultSavePlanner(enable_plan_caching=True)
-        if not in_background:
-            try:
-                dcp.save(
-                    state_dict,
-                    storage_writer=writer,
-                    planner=planner,
-                    process_group=self._ranks.group,
-                    no_dist=self._single,
-                )
-            except (Exception, CheckpointException):  # DCP raises it on every rank, once every rank stopped writing
-                self._discard(attempt)
-                raise
-            self._agree_or_discard(
-                attempt,
-                lambda: commit_attempt(attempt, self._ranks.world_size, writer.metadata_sha256),
-                f"committing {attempt.target}",
-                only_rank0=True,
-            )
-            logger.info("saved and committed %s in %.2fs", attempt.target, time.monotonic() - started)
-            self._verified.add(attempt.id)
-            self._prune()
+        if in_background:
+            self._in_flight = self._saver.start(attempt, state_dict)
+            elapsed = time.monotonic() - started
+            logger.info("staged step %d in %.2fs; writing %s in the background", step, elapsed, attempt.folder)
             return
-        upload = dcp.async_save(
-            state_dict,
-            storage_writer=writer,
-            planner=planner,
-            process_group=self._ranks.group,
-            async_checkpointer_type=AsyncCheckpointerType.THREAD,
-            async_stager=self._stager,
-            no_dist=self._single,
+        try:
+            metadata_sha256 = self._saver.write(attempt, state_dict)
+        except (Exception, CheckpointException):  # raised on every rank
+            self._discard(attempt)
+            raise
+        self._agree_or_discard(
+            attempt,
+            lambda: commit_attempt(attempt, self._ranks.world_size, metadata_sha256),
+            f"committing {attempt.target}",
+            only_rank0=True,
         )
-        # The stager stages synchronously (use_async_staging=False), so async_save hands back the upload's future
-        # itself; an AsyncSaveResponse comes only from a stager that returns a staging future.
-        assert isinstance(upload, Future)
-        committed: Future = Future()
-        if self._ranks.rank == 0:
-            upload.add_done_callback(lambda done: self._commit_after_upload(done, attempt, writer, committed))
-        else:
-            committed.set_result(None)
-        self._in_flight = _SaveInFlight(attempt, upload, committed, started)
-        logger.info(
-            "staged step %d in %.2fs; writing %s in the background", step, time.monotonic() - started, attempt.folder
-        )
+        logger.info("saved and committed %s in %.2fs", attempt.target, time.monotonic() - started)
+        self._verified.add(attempt.id)
+        self._prune()
 
     def _memory_snapshots(self) -> MemorySnapshots | None:
         """Snapshots in the memory elastic-run's agents hold, when every rank runs under one (collective)."""
@@ -371,19 +313,6 @@ class CheckpointManager:
             discard_attempt(attempt)
         except OSError as error:
             logger.warning("could not delete %s, the folder of a failed save: %s", attempt.folder, error)
-
-    def _commit_after_upload(
-        self, upload: Future, attempt: Attempt, writer: CheckpointWriter, committed: Future
-    ) -> None:
-        # Runs on rank 0's writer thread as soon as every rank's data and DCP's metadata are on disk,
-        # so the checkpoint is committed even if training never calls wait() again.
-        try:
-            upload.result()
-            commit_attempt(attempt, self._ranks.world_size, writer.metadata_sha256)
-        except BaseException as error:  # handed to wait(), which raises it on every rank
-            committed.set_exception(error)
-        else:
-            committed.set_result(None)
 
     def _prune(self) -> None:
         if self._ranks.rank != 0:

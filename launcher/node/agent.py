@@ -12,7 +12,7 @@ Threads and what they own:
   was stopped), the main thread fences itself: it kills its workers before the others can have formed a
   round without it, and once etcd answers it ends that lease and rejoins as a newcomer;
 - the etcd client's watch thread applies changes to the `RangeMirror`;
-- a `StallReporter` writes stall reports from a thread of its own;
+- a `RoundReporter` writes stall and progress reports from a thread of its own;
 - while this agent holds the controller key, a `Controller` thread decides rounds (`launcher.node.controller_seat`).
 Stopping: the main thread stops the controller and the keeper; all other threads are daemons.
 """
@@ -38,9 +38,9 @@ from launcher.etcd.watch import RangeMirror
 from launcher.node import rules
 from launcher.node.controller_seat import ControllerSeat
 from launcher.node.incarnation import Incarnation
+from launcher.node.round_reporter import RoundReporter
 from launcher.node.round_workers import RoundWorkers, WorkerGroupFactory
 from launcher.node.rules import Phase, RoundRun
-from launcher.node.stall_reporter import StallReporter
 from launcher.rendezvous.job_view import JobView, ViewParser
 from launcher.rendezvous.liveness import LivenessServer
 from launcher.rendezvous.membership_log import LogMirror
@@ -52,7 +52,7 @@ from launcher.rendezvous.records import (
 )
 from launcher.workers.environment import node_worker_env
 from launcher.workers.group import WorkerGroup
-from launcher.workers.warm_pool import JOIN_WAIT_S, WarmPool
+from launcher.workers.warm_pool import WarmPool
 
 logger = logging.getLogger(__name__)
 
@@ -89,21 +89,12 @@ class Agent:
         self._lease_routes = lease_routes
         self._me: Incarnation | None = None  # our registration under a lease (set by _join)
         self.run_: RoundRun | None = None
-        self._stalls: StallReporter | None = None
+        self._reporter: RoundReporter | None = None
         self.signal_received: int | None = None
         self.mirror = RangeMirror(self.client, self.store.keys.ctl)  # state/ctl/, started by run
         self.liveness = LivenessServer(self.addr)  # answers the controller's probes while this agent lives
         self.memory_dir = node_memory.node_memory_dir(config.rdzv_id, config.node_id)  # workers' snapshots
-        # the next round's workers, pre-started with torch imported (None: every worker starts cold)
-        self.warm = (
-            WarmPool(
-                node_worker_env(self.addr, config.nproc_per_node),
-                config.nproc_per_node,
-                [config.entrypoint, *config.args],
-            )
-            if config.starts_warm
-            else None
-        )
+        self.warm = _warm_pool(config, self.addr)
         self.workers = RoundWorkers(config, self.store, self.node_id, worker_group, self.warm)
         self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
         self.seat = ControllerSeat(self.store, config, self.log, self.node_id)
@@ -127,7 +118,8 @@ class Agent:
         try:
             if self.warm is not None:
                 self.warm.fill()  # their imports overlap the rendezvous
-                self._wait_for_warm_workers_if_the_job_runs()
+                if self._read_view()[0].round_header is not None:
+                    self.warm.wait_before_joining(lambda: self.signal_received is not None)
             self._join()
             return self._loop()
         finally:
@@ -164,21 +156,6 @@ class Agent:
 
     def _on_signal(self, signum: int, frame) -> None:
         self.stop(signum)
-
-    def _wait_for_warm_workers_if_the_job_runs(self) -> None:
-        """A job that trains already would stand idle in the round that takes us in until our interpreters
-        imported torch: join it once they did (launcher.workers.warm_pool)."""
-        assert self.warm is not None, "only with warm workers"
-        entries, revision, _ = self.mirror.snapshot()
-        if self._parser.parse(entries, revision).round_header is None:
-            return
-        started = time.monotonic()
-        ready = self.warm.wait_ready(JOIN_WAIT_S, lambda: self.signal_received is not None)
-        logger.info(
-            "the job is training: joining once this node's warm workers imported torch (%s after %.1fs)",
-            "ready" if ready else "not all ready",
-            time.monotonic() - started,
-        )
 
     def _join(self) -> None:
         self._me = Incarnation.register(
@@ -233,14 +210,7 @@ class Agent:
         """Apply the rules' actions for this view until none is left (each kind once)."""
         members = view.round_header.size if view.round_header is not None else 1
         self.seat.claim_when_free(view.controller, self.mirror.connected, members, self.me.lease.id)
-        facts = rules.RoundFacts(
-            header=view.round_header,
-            header_revision=view.round_revision,
-            masters=view.masters,
-            controller=view.controller,
-            drains=view.drains,
-            rollcalls=view.rollcalls,
-        )
+        facts = rules.RoundFacts.of(view)
         done: set[type] = set()
         run = self.run_
         # the channels are read only where a step can be recorded: group rank 0's running workers
@@ -295,24 +265,19 @@ class Agent:
                 assert run is not None, "drains belong to a round"
                 self.workers.follow_drain(run, request)
             case rules.FollowStall():
-                if self._stalls is not None and run is not None and run.phase is Phase.RUNNING:
-                    self._stalls.follow(self.workers.stall())
+                if self._reporter is not None and run is not None and run.phase is Phase.RUNNING:
+                    self._reporter.follow_stall(self.workers.stall())
             case rules.AnswerRollCall(nonce=nonce):
                 assert run is not None, "roll calls belong to a round"
                 if self.store.answer_rollcall(run.round, run.revision, self.node_id, nonce):
                     run.answered_rollcall = nonce
             case rules.RecordProgress(step=step):
                 assert run is not None, "progress belongs to a round"
+                assert self._reporter is not None, "a round has its reporter"
                 run.progress_step, run.progress_at = step, time.monotonic()
-                self._writer.submit(self._record_progress, run.round, run.revision, step)
+                self._reporter.record_progress(step)
             case _:
                 assert_never(action)
-
-    def _record_progress(self, round_: int, revision: int, step: int) -> None:
-        try:
-            self.store.record_progress(round_, revision, self.node_id, step)
-        except Exception as exc:  # progress is for the picture; the next one is 10 s away
-            logger.debug("training progress not recorded: %s", exc)
 
     def _fence(self, silent_for: float) -> None:
         """Kill our workers now; end this incarnation once etcd answers, then rejoin as a newcomer."""
@@ -341,7 +306,7 @@ class Agent:
         self.workers.stop()
         phase = Phase.STARTING if member is not None else Phase.SPARE
         self.run_ = RoundRun(header=header, revision=revision, member=member, phase=phase)
-        self._stalls = StallReporter(self.store, self.node_id, header.round, revision, self._writer)
+        self._reporter = RoundReporter(self.store, self.node_id, header.round, revision, self._writer)
         if member is None:
             logger.info(
                 "round %d formed without this incarnation of node %s: waiting as a spare for the next "
@@ -388,13 +353,7 @@ class Agent:
     def _give_up(self, silent_for: float) -> int:
         """etcd has not answered for longer than a node may wait to join: nothing can go on without it."""
         self.workers.stop(signal.SIGKILL)  # fenced long ago, unless they outlived that
-        print(
-            f"elastic-run: etcd {self.config.rdzv_endpoint or '(standalone)'} has not answered for "
-            f"{silent_for:.0f}s, longer than the lease ({self.me.lease.ttl}s) plus join_timeout "
-            f"({self.config.rdzv.join_timeout:g}s): giving up; start this node again once etcd is back",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(_etcd_gone(self.config, silent_for, self.me.lease.ttl), file=sys.stderr, flush=True)
         return 1
 
     def _job_over(self, status: JobStatus) -> int:
@@ -429,6 +388,23 @@ class EtcdHealthLog:
         if now - self._down_since >= _ETCD_WARN_AFTER_S and now - self._warned_at >= _ETCD_WARN_AFTER_S:
             logger.warning("etcd %s unreachable for %.0fs; workers keep running", self.endpoint, now - self._down_since)
             self._warned_at = now
+
+
+def _warm_pool(config: LaunchConfig, addr: str) -> WarmPool | None:
+    """The next round's workers, pre-started with torch imported (None: every worker starts cold)."""
+    if not config.starts_warm:
+        return None
+    return WarmPool(
+        node_worker_env(addr, config.nproc_per_node), config.nproc_per_node, [config.entrypoint, *config.args]
+    )
+
+
+def _etcd_gone(config: LaunchConfig, silent_for: float, ttl: int) -> str:
+    return (
+        f"elastic-run: etcd {config.rdzv_endpoint or '(standalone)'} has not answered for {silent_for:.0f}s, "
+        f"longer than the lease ({ttl}s) plus join_timeout ({config.rdzv.join_timeout:g}s): giving up; "
+        "start this node again once etcd is back"
+    )
 
 
 def _job_already_over(rdzv_id: str, status: JobStatus) -> int:

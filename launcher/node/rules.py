@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from launcher.rendezvous.records import (
     DrainRequest,
@@ -40,6 +41,9 @@ from launcher.rendezvous.records import (
     RollCall,
     RoundHeader,
 )
+
+if TYPE_CHECKING:  # the rules import nothing of etcd: the view is only read here
+    from launcher.rendezvous.job_view import JobView
 
 # Standby controllers wait a random part of this (per member of the round, capped) before claiming a free
 # controller key, so that thousands of agents do not all write at once when the controller dies.
@@ -98,6 +102,17 @@ class RoundFacts:
     controller: str | None = None
     drains: dict[int, DrainRequest] = field(default_factory=dict)
     rollcalls: dict[int, RollCall] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, view: JobView) -> RoundFacts:
+        return cls(
+            header=view.round_header,
+            header_revision=view.round_revision,
+            masters=view.masters,
+            controller=view.controller,
+            drains=view.drains,
+            rollcalls=view.rollcalls,
+        )
 
 
 # -- lifecycle ------------------------------------------------------------------------------------------------

@@ -93,6 +93,17 @@ class WarmPool:
             if local_rank not in self._workers:
                 self._workers[local_rank] = self._start()
 
+    def wait_before_joining(self, interrupted: Callable[[], bool]) -> None:
+        """A job that trains already would stand idle in the round that takes this node in until its
+        interpreters imported torch: wait for them (at most `JOIN_WAIT_S`)."""
+        started = time.monotonic()
+        ready = self.wait_ready(JOIN_WAIT_S, interrupted)
+        logger.info(
+            "the job is training: joining once this node's warm workers imported torch (%s after %.1fs)",
+            "ready" if ready else "not all ready",
+            time.monotonic() - started,
+        )
+
     def wait_ready(self, timeout_s: float, interrupted: Callable[[], bool]) -> bool:
         """Wait until every warm interpreter finished its imports (or exited), at most `timeout_s` seconds or
         until `interrupted()`; True if none is still importing."""

@@ -1,4 +1,5 @@
-"""Tells the controller while all of this node's workers are stalled, so it probes the members that are not.
+"""A round's reports that need no answer: "all of this node's workers are stalled" (so the controller probes the
+members that are not), and the training progress that `elastic-run log --plot` draws.
 
 Reports are written from a thread of their own: a node cut off from etcd stalls too, and its agent's main thread
 must go on watching its lease (to fence itself) rather than wait on a write that cannot land.
@@ -16,8 +17,9 @@ from launcher.workers.watchdog_rules import Stall
 logger = logging.getLogger(__name__)
 
 
-class StallReporter:
-    """Keeps etcd's stall report of one round in line with the workers' state; one per round."""
+class RoundReporter:
+    """Keeps etcd's stall report of one round in line with the workers' state, and records progress; one per
+    round."""
 
     def __init__(self, store: JobStore, node_id: str, round_: int, revision: int, writer: ThreadPoolExecutor) -> None:
         self.store = store
@@ -28,7 +30,10 @@ class StallReporter:
         self._reported = False  # our report that all our workers are stalled is in etcd
         self._write: Future | None = None  # the write that reports or clears it, while etcd has not answered
 
-    def follow(self, stall: Stall | None) -> None:
+    def record_progress(self, step: int) -> None:
+        self._writer.submit(self._write_progress, step)
+
+    def follow_stall(self, stall: Stall | None) -> None:
         """`stall`: the workers' stall now (None: they make progress, or none run)."""
         if self._write is not None:
             if not self._write.done():
@@ -56,3 +61,9 @@ class StallReporter:
                 stall.seconds_silent,
                 stall.last_step,
             )
+
+    def _write_progress(self, step: int) -> None:
+        try:
+            self.store.record_progress(self.round, self.revision, self.node_id, step)
+        except Exception as exc:  # progress is for the picture; the next one is 10 s away
+            logger.debug("training progress not recorded: %s", exc)
