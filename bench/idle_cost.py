@@ -58,45 +58,70 @@ def describe(source: Path) -> str:
     return f"{commit}{'+dirty launcher/' if dirty else ''}"
 
 
-def measure(source: Path, args: argparse.Namespace) -> dict:
-    workdir = Path(tempfile.mkdtemp(prefix="idle-cost-"))
-    ready = workdir / "ready"
-    result: dict[str, object] = {"source": str(source), "commit": describe(source)}
-    etcd = None
-    agents: list[subprocess.Popen] = []
-    try:
-        etcd = EtcdServer(data_dir=str(workdir / "etcd")).start()
-        env = dict(os.environ, PYTHONPATH=str(source), PYTHONUNBUFFERED="1")
+class IdleRun:
+    """One checkout's measurement: its etcd, its agents (and their workers, in sessions of their own), its folder."""
+
+    def __init__(self, source: Path, args: argparse.Namespace) -> None:
+        self.source = source
+        self.args = args
+        self.workdir = Path(tempfile.mkdtemp(prefix="idle-cost-"))
+        self.ready = self.workdir / "ready"  # each running worker writes a file here
+        self.etcd: EtcdServer | None = None
+        self.agents: list[subprocess.Popen] = []
+
+    def measure(self) -> dict:
+        result: dict[str, object] = {"source": str(self.source), "commit": describe(self.source)}
+        try:
+            self.etcd = EtcdServer(data_dir=str(self.workdir / "etcd")).start()
+            self.start_agents(self.etcd.endpoint)
+            self.wait_for_workers()
+            logger.info("  %s: round formed, %d workers running; settling %.0f s", self.source, NODES, self.args.settle)
+            time.sleep(self.args.settle)
+            result.update(self.idle_window(self.etcd.endpoint))
+            return result
+        finally:
+            self.stop_agents()
+            self.kill_workers()
+            self.wait_for_agents()
+            if self.etcd is not None:
+                self.etcd.stop()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def agent_command(self, endpoint: str, node: str) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "launcher.commands.cli",
+            "--nnodes",
+            str(NODES),
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            "idle",
+            "--node-id",
+            node,
+            "--log-dir",
+            str(self.workdir / node),
+            str(BENCH / "sleep_worker.py"),
+            "--seconds",
+            str(self.args.worker_seconds),
+            "--ready-dir",
+            str(self.ready),
+        ]
+
+    def start_agents(self, endpoint: str) -> None:
+        """The agents run from the checkout (cwd and PYTHONPATH), each in a session of its own; output in n<k>.out."""
+        env = dict(os.environ, PYTHONPATH=str(self.source), PYTHONUNBUFFERED="1")
         for k in range(NODES):
-            command = [
-                sys.executable,
-                "-m",
-                "launcher.commands.cli",
-                "--nnodes",
-                str(NODES),
-                "--nproc-per-node",
-                "1",
-                "--rdzv-backend",
-                "etcd",
-                "--rdzv-endpoint",
-                etcd.endpoint,
-                "--rdzv-id",
-                "idle",
-                "--node-id",
-                f"n{k}",
-                "--log-dir",
-                str(workdir / f"n{k}"),
-                str(BENCH / "sleep_worker.py"),
-                "--seconds",
-                str(args.worker_seconds),
-                "--ready-dir",
-                str(ready),
-            ]
-            with open(workdir / f"n{k}.out", "ab") as out:
-                agents.append(
+            with open(self.workdir / f"n{k}.out", "ab") as out:
+                self.agents.append(
                     subprocess.Popen(
-                        command,
-                        cwd=source,
+                        self.agent_command(endpoint, f"n{k}"),
+                        cwd=self.source,
                         env=env,
                         stdout=out,
                         stderr=subprocess.STDOUT,
@@ -104,23 +129,27 @@ def measure(source: Path, args: argparse.Namespace) -> dict:
                         start_new_session=True,
                     )
                 )
-        deadline = time.monotonic() + args.startup_timeout
-        while len(list(ready.glob("*"))) < NODES:
-            exited = [a.pid for a in agents if a.poll() is not None]
+
+    def wait_for_workers(self) -> None:
+        """Until every worker runs; RuntimeError if an agent exits first or --startup-timeout passes."""
+        deadline = time.monotonic() + self.args.startup_timeout
+        while len(list(self.ready.glob("*"))) < NODES:
+            exited = [a.pid for a in self.agents if a.poll() is not None]
             if exited or time.monotonic() > deadline:
-                tail = (workdir / "n0.out").read_text(errors="replace")[-1500:]
+                tail = (self.workdir / "n0.out").read_text(errors="replace")[-1500:]
                 raise RuntimeError(
-                    f"workers not running ({len(list(ready.glob('*')))} of {NODES}; agents exited: "
+                    f"workers not running ({len(list(self.ready.glob('*')))} of {NODES}; agents exited: "
                     f"{exited}); n0 said:\n{tail}"
                 )
             time.sleep(0.1)
-        logger.info("  %s: round formed, %d workers running; settling %.0f s", source, NODES, args.settle)
-        time.sleep(args.settle)
-        before = etcd_metrics.scrape(etcd.endpoint)
-        time.sleep(args.seconds)
-        after = etcd_metrics.scrape(etcd.endpoint)
+
+    def idle_window(self, endpoint: str) -> dict[str, object]:
+        """etcd's counters over --seconds of idleness."""
+        before = etcd_metrics.scrape(endpoint)
+        time.sleep(self.args.seconds)
+        after = etcd_metrics.scrape(endpoint)
         d = etcd_metrics.delta(before, after)
-        result.update(
+        return dict(
             seconds=round(d.seconds, 2),
             requests=int(d.requests),
             requests_per_s=round(d.requests / d.seconds, 2),
@@ -130,38 +159,46 @@ def measure(source: Path, args: argparse.Namespace) -> dict:
             proposals_per_s=round(d.proposals / d.seconds, 2),
             sent_bytes_per_s=int(d.sent_bytes / d.seconds),
             by_method={m: int(v) for m, v in d.by_method.items()},
-            agents_alive=sum(a.poll() is None for a in agents),
+            agents_alive=sum(a.poll() is None for a in self.agents),
         )
-        return result
-    finally:
-        for agent in agents:
+
+    def stop_agents(self) -> None:
+        """SIGTERM, --stop-grace to leave, then SIGKILL of each agent's session (the agent itself, if still there)."""
+        for agent in self.agents:
             if agent.poll() is None:
                 agent.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + args.stop_grace
-        for agent in agents:
+        deadline = time.monotonic() + self.args.stop_grace
+        for agent in self.agents:
             try:
                 agent.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for agent in agents:
+        for agent in self.agents:
             try:
-                os.killpg(agent.pid, signal.SIGKILL)  # the agent's session: the agent itself, if still there
+                os.killpg(agent.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        for pidfile in ready.glob("*") if ready.is_dir() else []:  # workers run in sessions of their own
+
+    def kill_workers(self) -> None:
+        """The workers run in sessions of their own (their pids are in the ready files' names)."""
+        for pidfile in self.ready.glob("*") if self.ready.is_dir() else []:
             try:
                 pid = int(pidfile.name.split(".")[1])
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             except (ValueError, IndexError, ProcessLookupError, PermissionError):
                 pass
-        for agent in agents:
+
+    def wait_for_agents(self) -> None:
+        for agent in self.agents:
             try:
                 agent.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 logger.warning("  agent pid %d did not exit", agent.pid)
-        if etcd is not None:
-            etcd.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def measure(source: Path, args: argparse.Namespace) -> dict:
+    """etcd's idle cost of 3 agents run from `source` (see the module docstring)."""
+    return IdleRun(source, args).measure()
 
 
 def print_table(results: list[dict]) -> None:
@@ -231,7 +268,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     results = []
     for source in [Path(s.strip()).resolve() for s in args.source.split(",") if s.strip()]:
-        if not (source / "launcher" / "cli.py").is_file():
+        if not (source / "launcher" / "commands" / "cli.py").is_file():
             results.append({"source": str(source), "error": "no launcher/commands/cli.py there"})
             continue
         logger.info("agents from %s (%s):", source, describe(source))

@@ -2,13 +2,14 @@
 
 For each N in --agents (one fresh etcd and one fresh set of processes per N):
 
-  1. start P host processes (multiprocessing, spawn), each running up to --agents-per-process agents as threads
-     that share ONE etcd client per process; every agent is a real `launcher.node.agent.Agent` (and whichever one
-     claims the controller key runs the real `launcher.rendezvous.controller.Controller`) with its worker processes
-     replaced by a no-op WorkerGroup whose poll() reports RUNNING until the host is told to stop;
+  1. start P host processes (multiprocessing, spawn; bench/rendezvous_host.py), each running up to
+     --agents-per-process agents as threads that share ONE etcd client per process; every agent is a real
+     `launcher.node.agent.Agent` (and whichever one claims the controller key runs the real
+     `launcher.rendezvous.controller.Controller`) with its worker processes replaced by a no-op WorkerGroup whose
+     poll() reports RUNNING until the host is told to stop;
   2. N-1 agents register; the last one is held back. Once the N-1 are registered (and 1 s has passed), the
      last agent starts: its registration brings the job to its --nnodes MAX (N) and triggers round 0.
-       form_s          last registration -> every agent knows its rank in round 0 (the agent's `_enter_round`
+       form_s          last registration -> every agent knows its rank in round 0 (the agent's `enter_round`
                        returned with a member of the round: what `agent.run_` shows);
        form_workers_s  last registration -> every agent has called its worker-group factory (the round's
                        master address is known too: the factory is called with it);
@@ -62,9 +63,7 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -80,313 +79,18 @@ LEASE_ATTEMPTS = 3
 
 
 # ================================================================================================================
-# The host process: K agents as threads, one etcd client
+# The host process: K agents as threads, one etcd client (bench/rendezvous_host.py)
 # ================================================================================================================
 
 
-class AgentKilled(Exception):
-    """Raised inside a killed agent's loop: its thread ends without the leave path."""
-
-
-class HostState:
-    """What the agents of one host did and when; reports a (kind, round) once every live agent has done it."""
-
-    def __init__(self, index: int, events) -> None:
-        self.index = index
-        self.events = events
-        self.lock = threading.Lock()
-        self.live = 0
-        self.times: dict[tuple[str, int | None], list[float]] = collections.defaultdict(list)
-
-    def note(self, kind: str, round_: int | None, when: float) -> None:
-        with self.lock:
-            times = self.times[(kind, round_)]
-            times.append(when)
-            if len(times) == self.live:
-                self.events.put((kind, self.index, round_, len(times), max(times)))
-
-    def anomaly(self, text: str) -> None:
-        self.events.put(("anomaly", self.index, None, 0, text))
-
-
-class SharedKeepAlive:
-    """Every lease refresh of a host's agents sent on ONE long-lived keep-alive stream of the process's client.
-
-    The agent's LeaseKeeper refreshes through `launcher.etcd.client.LeaseRoutes.refresh`, which opens a new
-    LeaseKeepAlive stream per refresh, and gRPC starts a Python thread to feed each stream: ~1.3 ms of host CPU per
-    refresh, which is nothing for one agent per machine but 1.3 cores for 1024 agents packed on this 2-core machine,
-    enough to starve the keepers and let leases expire. With --keepalive shared, this object stands in for those
-    routes process-wide (as the no-op WorkerGroup stands in for the real one): the LeaseKeepers still refresh every
-    keep_alive_interval under the same deadline and etcd still receives one LeaseKeepAlive message per refresh (the
-    same request count); only the client-side transport is cheaper. `carried` counts the refreshes it sent, so the
-    coordinator can tell when the agents' refreshes no longer come this way.
-    """
-
-    def __init__(self, client) -> None:
-        self._client = client
-        self._lock = threading.Lock()
-        self._pending: dict[int, list] = collections.defaultdict(list)
-        self._queue: queue.Queue = queue.Queue()
-        self.carried = 0
-        threading.Thread(target=self._run, name="shared-keepalive", daemon=True).start()
-
-    def endpoints(self, lease) -> list[str]:
-        return [self._client.endpoint_label]  # the stream's
-
-    def prefer(self, lease, endpoint: str) -> None:
-        raise AssertionError(f"the shared stream runs on one endpoint; asked to move to {endpoint}")
-
-    def refresh(self, lease, deadline: float, endpoint: str) -> list:
-        """What `launcher.etcd.client.LeaseRoutes.refresh` does: etcd's answers, or a transient error (the bench's
-        etcd has one endpoint, the one the stream runs on)."""
-        from pyetcd import etcdrpc
-
-        from launcher.etcd.errors import EtcdUnavailable
-
-        done = threading.Event()
-        slot: list = []  # etcd's answer, appended by the stream's thread
-        waiter = (done, slot)
-        with self._lock:
-            self._pending[lease.id].append(waiter)
-            self.carried += 1
-        self._queue.put(etcdrpc.LeaseKeepAliveRequest(ID=lease.id))
-        if not done.wait(deadline):
-            with self._lock:
-                if waiter in self._pending[lease.id]:
-                    self._pending[lease.id].remove(waiter)
-            raise EtcdUnavailable(f"keep-alive not answered within {deadline:g} s")
-        return slot
-
-    def _run(self) -> None:
-        import grpc
-
-        while True:
-            requests = self._queue
-            endpoint = self._client.endpoint_label
-            try:
-                for response in self._client.leasestub.LeaseKeepAlive(iter(requests.get, None)):
-                    with self._lock:
-                        waiters = self._pending.get(response.ID)
-                        waiter = waiters.pop(0) if waiters else None
-                    if waiter is not None:
-                        waiter[1].append(response)
-                        waiter[0].set()
-            except grpc.RpcError as exc:  # the stream broke: open another (elsewhere if its member failed)
-                try:
-                    self._client.on_endpoint_error(endpoint, exc)
-                except Exception:  # noqa: BLE001 - it raises ours; waiters time out and retry
-                    pass
-            except Exception:  # noqa: BLE001 - waiters time out and retry
-                pass
-            self._queue = queue.Queue()
-            requests.put(None)
-            time.sleep(0.1)
-
-
 def host_main(index: int, spec: dict, conn, events) -> None:
-    """Entry point of one host process (spawned): runs its agents and answers the coordinator's commands."""
-    # Imports here: the coordinator never imports grpc before spawning.
-    threading.stack_size(2 << 20)
-    logging.basicConfig(
-        level=spec["log_level"],
-        filename=os.path.join(spec["log_dir"], "host.log"),
-        format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
-    )
-    deadline = time.monotonic() + spec["host_deadline_s"]
+    """Entry point of one host process (spawned): `rendezvous_host.main`. It lives here because multiprocessing
+    pickles the target by reference, as a name of this module."""
+    # not at the top: importing this module (the coordinator, --help) stays free of grpc and the launcher, which
+    # it imports only inside the functions that use them
+    import rendezvous_host
 
-    def dump_stacks(signum=None, frame=None) -> None:
-        # the coordinator sends SIGUSR1 when a phase times out: every thread's stack lands in host<i>/stacks.txt
-        names = {t.ident: t.name for t in threading.enumerate()}
-        with open(os.path.join(spec["log_dir"], "stacks.txt"), "w") as out:
-            for ident, frame_ in sys._current_frames().items():
-                out.write(f"\n--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame_))}")
-
-    signal.signal(signal.SIGUSR1, dump_stacks)
-    from launcher.config import LaunchConfig, RendezvousSettings
-    from launcher.etcd import client as etcd_client
-    from launcher.etcd.lease_keeper import LeaseRoutes
-    from launcher.node.agent import Agent
-    from launcher.rendezvous.records import NodeRecord
-    from launcher.workers.group import WorkerOutcome
-
-    host = HostState(index, events)
-
-    class NoopWorkerGroup:
-        """The WorkerGroup interface without processes: RUNNING until the bench ends."""
-
-        def __init__(self, config, round_, member, master, startups=None, warm=None) -> None:
-            self.round, self.member, self.master = round_, member, master
-            host.note("workers", round_.round, time.time())
-
-        def start(self) -> None:
-            pass
-
-        def poll(self):
-            return WorkerOutcome.RUNNING, []
-
-        def stall(self) -> None:
-            return None  # no workers, never stalled
-
-        def stop(self, signum: int = signal.SIGTERM) -> None:
-            pass
-
-        def reporting_hang(self) -> bool:
-            return False
-
-        def latest_step(self) -> None:
-            return None  # no workers, no steps
-
-    class BenchAgent(Agent):
-        """The real agent, plus timestamps at registration, round entry and acknowledgement, and a way to die."""
-
-        def __init__(self, config, client, lease_routes) -> None:
-            super().__init__(config, client, worker_group=NoopWorkerGroup, lease_routes=lease_routes)
-            self.killed = False
-            self.registrations = 0
-            register, acknowledge = self.store.register, self.store.acknowledge
-
-            def timed_register(record: NodeRecord) -> None:
-                register(record)
-                self.registrations += 1
-                if self.registrations > 1:
-                    host.anomaly(f"{self.node_id} registered again (its lease ended): lease keep-alive fell behind")
-                    return
-                host.note("registered", None, time.time())
-
-            def timed_acknowledge(round_: int, round_revision: int, node: str, pid: int) -> bool:
-                committed = acknowledge(round_, round_revision, node, pid)
-                if committed:
-                    host.note("acked", round_, time.time())
-                return committed
-
-            # wraps the methods of this agent's own store object, so every caller in the agent goes through them
-            self.store.register = timed_register  # type: ignore[method-assign]  # same signature, wrapped
-            self.store.acknowledge = timed_acknowledge  # type: ignore[method-assign]  # same signature, wrapped
-
-        def enter_round(self, header, revision) -> None:
-            super().enter_round(header, revision)
-            assert self.run_ is not None  # set by the round just entered
-            if self.run_.member is not None:
-                host.note("entered", header.round, time.time())
-
-        def step(self, view) -> None:
-            if self.killed:
-                raise AgentKilled(self.node_id)
-            super().step(view)
-
-        def sync_log(self) -> None:
-            if not self.killed:  # a dead agent does not mirror the membership log
-                super().sync_log()
-
-        def die(self) -> float:
-            """Stop refreshing the lease and end the loop without leaving; returns the time of death."""
-            when = time.time()
-            self.me.keeper.stop()
-            self.killed = True
-            self.mirror.poke()
-            return when
-
-    client = etcd_client.connect(spec["endpoint"])
-    shared = None
-    lease_routes: LeaseRoutes = etcd_client.LEASE_ROUTES
-    if spec["keepalive"] == "shared":
-        # every agent of this host process is simulated, so the shared stream stands in for its refreshes
-        shared = SharedKeepAlive(client)
-        lease_routes = shared
-    # --nnodes 1:N with a last call of an hour: round 0 forms the moment the N-th agent registers (MAX reached),
-    # and a loss re-forms at once with N-1 (MIN is met); --nnodes N:N could never re-form after a loss.
-    rdzv = RendezvousSettings(
-        keep_alive_interval=spec["keep_alive_interval"],
-        keep_alive_max_attempt=LEASE_ATTEMPTS,
-        last_call_timeout=3600,
-        join_timeout=3600,
-        close_timeout=3600,
-    )
-    agents: dict[str, BenchAgent] = {}
-    threads: dict[str, threading.Thread] = {}
-    for node in spec["nodes"]:
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=spec["n"],
-            nproc_per_node=1,
-            rdzv_endpoint=spec["endpoint"],
-            rdzv_id=spec["rdzv_id"],
-            rdzv=rdzv,
-            monitor_interval=5.0,
-            log_dir=Path(spec["log_dir"]),
-            local_addr="127.0.0.1",
-            node_id=node,
-            entrypoint="noop-worker",
-            warm_workers=False,  # no-op workers: a warm interpreter per simulated agent would import torch N times
-        )
-        agents[node] = BenchAgent(config, client, lease_routes)
-
-    def run_agent(agent: BenchAgent) -> None:
-        try:
-            agent.run()
-        except AgentKilled:
-            pass
-        except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, never silent
-            host.anomaly(f"{agent.node_id} crashed: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
-
-    def start(node: str) -> None:
-        with host.lock:
-            host.live += 1
-        thread = threading.Thread(target=run_agent, args=(agents[node],), name=f"agent-{node}", daemon=True)
-        threads[node] = thread
-        thread.start()
-
-    rate = spec["start_rate"]
-    started_at = time.monotonic()
-    for count, node in enumerate(n for n in spec["nodes"] if n != spec["holdback"]):
-        start(node)
-        if rate > 0:
-            delay = started_at + (count + 1) / rate - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-
-    while time.monotonic() < deadline:
-        if not conn.poll(1.0):
-            if os.getppid() == 1:
-                break  # the coordinator is gone
-            continue
-        command, *rest = conn.recv()
-        if command == "start":
-            start(rest[0])
-            conn.send(("started", time.time()))
-        elif command == "kill":
-            agent = agents[rest[0]]
-            with host.lock:
-                host.live -= 1
-            conn.send(("killed", agent.die()))
-        elif command == "stats":
-            conn.send(
-                (
-                    "stats",
-                    {
-                        "threads": threading.active_count(),
-                        "os_threads": etcd_metrics.process_threads(os.getpid()),
-                        "cpu_s": etcd_metrics.process_cpu_seconds(os.getpid()),
-                        "rss_mib": _rss_mib(),
-                        "shared_refreshes": shared.carried if shared is not None else 0,
-                    },
-                )
-            )
-        elif command == "stop":
-            conn.send(("stopping", None))
-            break
-    os._exit(0)  # the agents' threads are daemons; the job is thrown away with its etcd
-
-
-def _rss_mib() -> float:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    rendezvous_host.main(index, spec, conn, events)
 
 
 # ================================================================================================================
@@ -478,6 +182,13 @@ class Hosts:
                 raise Timeout(f"host{index} did not answer {command[0]} within {timeout:.0f} s")
             answers.append(conn.recv()[1])
         return answers
+
+    def dump_stacks(self) -> None:
+        """Every live host writes every thread's stack to host<i>/stacks.txt (given 2 s to)."""
+        for process, pid in zip(self.processes, self.pids):
+            if process.is_alive():
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)
 
     def stop(self) -> None:
         for conn in self.conns:
@@ -573,6 +284,52 @@ def kill_leader_while_idle(cluster, hosts: Hosts, client, keys, ttl: int) -> dic
         outcome["first_disturbance"] = disturbed[0][:300]
     cluster.restart(leader)
     return outcome
+
+
+def controller_of(client, keys) -> str:
+    """The node holding the controller key."""
+    holder_raw, _ = client.get(keys.controller)
+    return holder_raw.decode().split("#")[0]
+
+
+def pick_victim(client, keys) -> tuple[str, str]:
+    """The controller, and the agent to die: neither it nor group rank 0 (group rank N/2 if it can)."""
+    from launcher.rendezvous.records import MemberBucket, RoundHeader, RoundRecord
+
+    controller = controller_of(client, keys)
+    round_raw, _ = client.get(keys.round)
+    header = RoundHeader.loads(round_raw)
+    buckets = [MemberBucket.loads(raw) for raw, _ in client.get_prefix(keys.members_prefix(header.round))]
+    order = RoundRecord.assemble(header, buckets).nodes  # group-rank order
+    victim = next(node for node in order[len(order) // 2 :] + order[1:] if node != controller)
+    return controller, victim
+
+
+def kill_leader_at_expiry(cluster, watch: KeyWatch, death: float, limit_s: float) -> dict:
+    """Kill the etcd leader the moment the victim's lease ends (the re-form starts without it): which member, and
+    how long after the expiry."""
+    while watch.deleted_at is None:
+        if time.time() - death > limit_s:
+            raise Timeout(f"the victim's lease did not end within {limit_s:.0f} s")
+        time.sleep(0.005)
+    leader = cluster.leader()
+    assert leader is not None, "a cluster with a quorum has a leader"
+    killed = cluster.kill(leader)
+    return {"member": leader, "after_expiry_s": round(killed - watch.deleted_at, 3)}
+
+
+def job_state(client, keys) -> dict:
+    """The job in etcd, in brief: registered nodes, the controller key's holder, the round, every key."""
+    from launcher.rendezvous.records import RoundHeader
+
+    holder_raw, _ = client.get(keys.controller)
+    round_raw, _ = client.get(keys.round)
+    return {
+        "nodes": client.get_prefix_response(keys.nodes, count_only=True).count,
+        "controller": holder_raw.decode() if holder_raw else None,
+        "round": RoundHeader.loads(round_raw).round if round_raw else None,
+        "keys": client.get_prefix_response(keys.prefix, count_only=True).count,
+    }
 
 
 def cpu_snapshot(hosts: Hosts, etcd_pids: list[int]) -> dict[str, float]:
@@ -671,132 +428,212 @@ def summarize_profile(path: str, top: int = 12) -> dict:
     return {"samples": total, "inclusive": inclusive.most_common(top), "leaf": leaf.most_common(top)}
 
 
-def run_one(n: int, args: argparse.Namespace) -> dict:
-    from etcd_cluster import EtcdCluster
+class BenchEtcd:
+    """The etcd of one N: one EtcdServer, or an EtcdCluster with --etcd-members > 1 (its leader gets killed)."""
 
-    from elastic.node_memory import node_memory_dir
-    from launcher.etcd import client as etcd_client
-    from launcher.etcd.server import EtcdServer
-    from launcher.rendezvous.protocol import JobKeys
-    from launcher.rendezvous.records import MemberBucket, RoundHeader, RoundRecord
+    def __init__(self, members: int, data_dir: str) -> None:
+        from etcd_cluster import EtcdCluster
 
-    ttl = max(1, math.ceil(args.keep_alive_interval * LEASE_ATTEMPTS))
-    workdir = tempfile.mkdtemp(prefix=f"rdzv-bench-{n}-")
-    rdzv_id = f"bench{n}"
-    keys = JobKeys(rdzv_id)
-    result: dict = {"agents": n}
-    etcd: Any = None
-    hosts = client = watch = None
-    phase_started = time.monotonic()
-    try:
-        etcd_dir = os.path.join(args.etcd_dir or workdir, f"etcd-{n}")
-        cluster = EtcdCluster(args.etcd_members, etcd_dir).start() if args.etcd_members > 1 else None
-        server = EtcdServer(data_dir=etcd_dir).start() if cluster is None else None
-        etcd = cluster or server
-        result["etcd_members"] = args.etcd_members
+        from launcher.etcd.server import EtcdServer
 
-        def etcd_pids() -> list[int]:
-            if cluster is not None:
-                return cluster.pids
-            assert server is not None and server.process is not None, "started"
-            return [server.process.pid]
+        self.cluster: EtcdCluster | None = None
+        self.server: EtcdServer | None = None
+        if members > 1:
+            self.cluster = EtcdCluster(members, data_dir).start()
+            self.endpoint = self.cluster.endpoint
+        else:
+            self.server = EtcdServer(data_dir=data_dir).start()
+            self.endpoint = self.server.endpoint
 
-        def scrape() -> dict:
-            return etcd_metrics.scrape_members(cluster.metrics_endpoints() if cluster else [etcd.endpoint])
+    def pids(self) -> list[int]:
+        if self.cluster is not None:
+            return self.cluster.pids
+        assert self.server is not None and self.server.process is not None, "started"
+        return [self.server.process.pid]
 
-        client = etcd_client.connect(etcd.endpoint)
-        slices = plan_hosts(n, args.agents_per_process)
-        holdback = slices[-1][-1]
+    def scrape(self) -> dict:
+        return etcd_metrics.scrape_members(
+            self.cluster.metrics_endpoints() if self.cluster is not None else [self.endpoint]
+        )
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        if self.server is not None:
+            self.server.stop()
+
+
+class RendezvousRun:
+    """One N: a fresh etcd and host processes taken through the phases of the module docstring; every figure
+    lands in `result`, errors included (a phase that times out ends the run, and the rest is cleaned up)."""
+
+    def __init__(self, n: int, args: argparse.Namespace) -> None:
+        from launcher.rendezvous.protocol import JobKeys
+
+        self.n = n
+        self.args = args
+        self.ttl = max(1, math.ceil(args.keep_alive_interval * LEASE_ATTEMPTS))
+        self.workdir = tempfile.mkdtemp(prefix=f"rdzv-bench-{n}-")
+        self.rdzv_id = f"bench{n}"
+        self.keys = JobKeys(self.rdzv_id)
+        self.result: dict = {"agents": n}
+        self.etcd: BenchEtcd | None = None
+        self.client: Any = None
+        self._hosts: Hosts | None = None
+        self.watch: KeyWatch | None = None
+        self.slices: list[list[str]] = []
+        self.holdback = ""  # the agent whose registration forms round 0
+        self.started = time.monotonic()
+
+    def run(self) -> dict:
+        try:
+            self.start()
+            self.register_all_but_one()
+            self.form_round_0()
+            self.idle()
+            if self.cluster is not None:
+                self.result["leader_killed_idle"] = kill_leader_while_idle(
+                    self.cluster, self.hosts, self.client, self.keys, self.ttl
+                )
+                logger.info("  etcd leader killed while idle: %s", self.result["leader_killed_idle"])
+            self.reform_after_a_death()
+        except Timeout as exc:
+            self.diagnose(exc)
+        finally:
+            self.clean_up()
+        return self.result
+
+    @property
+    def hosts(self) -> Hosts:
+        assert self._hosts is not None, "started by start()"
+        return self._hosts
+
+    @property
+    def cluster(self) -> Any:
+        """The EtcdCluster, or None for one etcd server."""
+        assert self.etcd is not None, "started by start()"
+        return self.etcd.cluster
+
+    def scrape(self) -> dict:
+        assert self.etcd is not None, "started by start()"
+        return self.etcd.scrape()
+
+    def sample(self) -> tuple[dict, dict[str, float]]:
+        """etcd's counters, then the CPU seconds of the hosts and the etcd members."""
+        assert self.etcd is not None, "started by start()"
+        return self.etcd.scrape(), cpu_snapshot(self.hosts, self.etcd.pids())
+
+    def profiler(self, window: str, controller: str) -> Profiler:
+        """py-spy on the controller's host process and the last host for one window (--sample)."""
+        indexes = sorted({self.hosts.host_of[controller], len(self.slices) - 1})
+        return Profiler({f"host{i}": self.hosts.pids[i] for i in indexes}, self.workdir, window)
+
+    def start(self) -> None:
+        """etcd (one server, or a cluster), the coordinator's client, and the host processes."""
+        from launcher.etcd import client as etcd_client
+
+        args, n = self.args, self.n
+        self.etcd = etcd = BenchEtcd(args.etcd_members, os.path.join(args.etcd_dir or self.workdir, f"etcd-{n}"))
+        self.result["etcd_members"] = args.etcd_members
+        self.client = etcd_client.connect(etcd.endpoint)
+        self.slices = plan_hosts(n, args.agents_per_process)
+        self.holdback = self.slices[-1][-1]
         spec = {
             "endpoint": etcd.endpoint,
-            "rdzv_id": rdzv_id,
+            "rdzv_id": self.rdzv_id,
             "n": n,
-            "workdir": workdir,
-            "holdback": holdback,
+            "workdir": self.workdir,
+            "holdback": self.holdback,
             "keep_alive_interval": args.keep_alive_interval,
+            "lease_attempts": LEASE_ATTEMPTS,
             "start_rate": args.start_rate,
             "keepalive": args.keepalive,
             "log_level": args.log_level,
         }
-        result.update(keepalive=args.keepalive, processes=len(slices), agents_per_process=max(len(s) for s in slices))
+        self.result.update(
+            keepalive=args.keepalive, processes=len(self.slices), agents_per_process=max(len(s) for s in self.slices)
+        )
         logger.info(
             "N=%d: %d host process(es) x <= %d agents, etcd %s",
             n,
-            len(slices),
-            result["agents_per_process"],
+            len(self.slices),
+            self.result["agents_per_process"],
             etcd.endpoint,
         )
-        hosts = Hosts(spec, slices, deadline_s=args.host_deadline)
+        self._hosts = Hosts(spec, self.slices, deadline_s=args.host_deadline)
 
-        # -- registration of N-1 agents ----------------------------------------------------------------------
+    def register_all_but_one(self) -> None:
+        """The N-1 agents the hosts started on their own register (the last one is held back)."""
+        n = self.n
         started = time.monotonic()
-        hosts.wait_for("registered", None, n - 1, args.phase_deadline + n * 0.05, "agents registered")
-        result["register_s"] = round(time.monotonic() - started, 2)
-        logger.info("  %d agents registered in %.1f s (of which host start-up)", n - 1, result["register_s"])
+        self.hosts.wait_for("registered", None, n - 1, self.args.phase_deadline + n * 0.05, "agents registered")
+        self.result["register_s"] = round(time.monotonic() - started, 2)
+        logger.info("  %d agents registered in %.1f s (of which host start-up)", n - 1, self.result["register_s"])
         time.sleep(1.0)
-        hosts.drain()
+        self.hosts.drain()
 
-        # -- round 0 -----------------------------------------------------------------------------------------
-        m0, c0 = scrape(), cpu_snapshot(hosts, etcd_pids())
+    def form_round_0(self) -> None:
+        """The held-back agent starts; its registration brings the job to MAX and forms round 0."""
+        hosts, n, deadline = self.hosts, self.n, self.args.phase_deadline
+        m0, c0 = self.sample()
         profiler = None
-        if args.sample:
-            holder_raw, _ = client.get(keys.controller)
-            controller_host = hosts.host_of[holder_raw.decode().split("#")[0]]
-            profiled = {f"host{i}": hosts.pids[i] for i in sorted({controller_host, len(slices) - 1})}
-            profiler = Profiler(profiled, workdir, "form")
-            m0, c0 = scrape(), cpu_snapshot(hosts, etcd_pids())
-        hosts.ask(hosts.host_of[holdback], "start", holdback)
+        if self.args.sample:
+            profiler = self.profiler("form", controller_of(self.client, self.keys))
+            m0, c0 = self.sample()  # from after py-spy attached
+        hosts.ask(hosts.host_of[self.holdback], "start", self.holdback)
         last_registration = hosts.wait_for("registered", None, n, 60, "last agent registered")
-        known = hosts.wait_for("entered", 0, n, args.phase_deadline, "agents know their rank in round 0")
-        m1, c1 = scrape(), cpu_snapshot(hosts, etcd_pids())
+        known = hosts.wait_for("entered", 0, n, deadline, "agents know their rank in round 0")
+        m1, c1 = self.sample()
         to_known = etcd_metrics.delta_members(m0, m1)
-        result.update(
+        self.result.update(
             form_s=round(known - last_registration, 3),
             form_bytes_to_known=int(to_known.sent_bytes),
             form_cpu_to_known_s=cpu_delta(c0, c1),
         )
         logger.info(
             "  round 0: rank known by all %.3f s after the last registration (%d bytes sent by etcd, CPU %s)",
-            result["form_s"],
+            self.result["form_s"],
             to_known.sent_bytes,
-            result["form_cpu_to_known_s"],
+            self.result["form_cpu_to_known_s"],
         )
-        workers = hosts.wait_for("workers", 0, n, args.phase_deadline, "agents started round 0 workers")
-        acked = hosts.wait_for("acked", 0, n, args.phase_deadline, "agents acknowledged round 0")
-        m2, c2 = scrape(), cpu_snapshot(hosts, etcd_pids())
+        workers = hosts.wait_for("workers", 0, n, deadline, "agents started round 0 workers")
+        acked = hosts.wait_for("acked", 0, n, deadline, "agents acknowledged round 0")
+        m2, c2 = self.sample()
         form = etcd_metrics.delta_members(m0, m2)
-        result.update(
+        self.result.update(
             form_s=round(known - last_registration, 3),
             form_workers_s=round(workers - last_registration, 3),
             form_acked_s=round(acked - last_registration, 3),
             form_requests=int(form.requests_without_keepalives),
-            form_requests_to_known=int(etcd_metrics.delta_members(m0, m1).requests_without_keepalives),
+            form_requests_to_known=int(to_known.requests_without_keepalives),
             form_bytes=int(form.sent_bytes),
             form_proposals=int(form.proposals),
             form_cpu_s=cpu_delta(c0, c2),
             form_by_method={m: int(v) for m, v in form.by_method.items()},
         )
         if profiler is not None:
-            result["form_profile"] = profiler.stop()
+            self.result["form_profile"] = profiler.stop()
         logger.info(
             "  round 0: rank known by all %.3f s after the last registration, acknowledged by all %.3f s",
-            result["form_s"],
-            result["form_acked_s"],
+            self.result["form_s"],
+            self.result["form_acked_s"],
         )
 
-        # -- idle --------------------------------------------------------------------------------------------
+    def idle(self) -> None:
+        """After a 2 s settle, etcd's requests and proposals over --idle-seconds of a formed round."""
+        hosts, n = self.hosts, self.n
         time.sleep(2.0)
         stats = hosts.ask_all("stats")
-        result["threads_per_process"] = max(s["os_threads"] for s in stats)
-        result["rss_mib_per_process"] = round(max(s["rss_mib"] for s in stats))
-        m3, c3 = scrape(), cpu_snapshot(hosts, etcd_pids())
-        time.sleep(args.idle_seconds)
-        m4, c4 = scrape(), cpu_snapshot(hosts, etcd_pids())
+        self.result["threads_per_process"] = max(s["os_threads"] for s in stats)
+        self.result["rss_mib_per_process"] = round(max(s["rss_mib"] for s in stats))
+        m3, c3 = self.sample()
+        time.sleep(self.args.idle_seconds)
+        m4, c4 = self.sample()
         idle = etcd_metrics.delta_members(m3, m4)
         shared_refreshes = sum(s["shared_refreshes"] for s in hosts.ask_all("stats")) - sum(
             s["shared_refreshes"] for s in stats
         )
-        if args.keepalive == "shared" and shared_refreshes < 0.9 * idle.keepalives:
+        if self.args.keepalive == "shared" and shared_refreshes < 0.9 * idle.keepalives:
             # the agents refresh some other way than the function SharedKeepAlive stands in for: each refresh then
             # costs a stream and a thread, and at 1024 agents on 2 cores the keepers starve (see SharedKeepAlive)
             hosts.anomalies.append(
@@ -804,7 +641,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                 "keep-alive stream: the agents' LeaseKeeper no longer refreshes through the function the Agent is given"
             )
             logger.warning("  %s", hosts.anomalies[-1])
-        result.update(
+        self.result.update(
             idle_requests_per_agent_s=round(idle.requests / n / idle.seconds, 3),
             idle_calls_per_agent_s=round(idle.calls / n / idle.seconds, 3),
             idle_non_keepalive_requests_s=round(idle.requests_without_keepalives / idle.seconds, 3),
@@ -814,51 +651,29 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         )
         logger.info(
             "  idle: %.3f requests/s per agent, %.3f raft proposals/s",
-            result["idle_requests_per_agent_s"],
-            result["idle_proposals_s"],
+            self.result["idle_requests_per_agent_s"],
+            self.result["idle_proposals_s"],
         )
 
-        if cluster is not None:
-            result["leader_killed_idle"] = kill_leader_while_idle(cluster, hosts, client, keys, ttl)
-            logger.info("  etcd leader killed while idle: %s", result["leader_killed_idle"])
-
-        # -- one agent dies; round 1 -------------------------------------------------------------------------
-        holder_raw, _ = client.get(keys.controller)
-        controller = holder_raw.decode().split("#")[0]
-        round_raw, _ = client.get(keys.round)
-        header = RoundHeader.loads(round_raw)
-        buckets = [MemberBucket.loads(raw) for raw, _ in client.get_prefix(keys.members_prefix(header.round))]
-        order = RoundRecord.assemble(header, buckets).nodes  # group-rank order
-        victim = next(node for node in order[len(order) // 2 :] + order[1:] if node != controller)
-        result.update(controller=controller, victim=victim)
-        watch = KeyWatch(client, keys.node(victim), keys.round)
+    def reform_after_a_death(self) -> None:
+        """One agent dies without leaving; the survivors form round 1 once its lease has ended."""
+        hosts, n, ttl, deadline = self.hosts, self.n, self.ttl, self.args.phase_deadline
+        controller, victim = pick_victim(self.client, self.keys)
+        self.result.update(controller=controller, victim=victim)
+        self.watch = watch = KeyWatch(self.client, self.keys.node(victim), self.keys.round)
         hosts.drain()
-        profiler = None
-        if args.sample:
-            profiled = {f"host{i}": hosts.pids[i] for i in sorted({hosts.host_of[controller], len(slices) - 1})}
-            profiler = Profiler(profiled, workdir, "reform")
-        m5, c5 = scrape(), cpu_snapshot(hosts, etcd_pids())
+        profiler = self.profiler("reform", controller) if self.args.sample else None
+        m5, c5 = self.sample()
         death = hosts.ask(hosts.host_of[victim], "kill", victim)
-        if cluster is not None:
-            # the leader dies the moment the victim's lease ends: the re-form starts without it
-            while watch.deleted_at is None:
-                if time.time() - death > ttl + args.phase_deadline:
-                    raise Timeout(f"the victim's lease did not end within {ttl + args.phase_deadline:.0f} s")
-                time.sleep(0.005)
-            leader = cluster.leader()
-            assert leader is not None, "a cluster with a quorum has a leader"
-            killed = cluster.kill(leader)
-            result["leader_killed_in_reform"] = {
-                "member": leader,
-                "after_expiry_s": round(killed - watch.deleted_at, 3),
-            }
-        known1 = hosts.wait_for("entered", 1, n - 1, ttl + args.phase_deadline, "survivors know round 1")
-        m6 = scrape()
-        acked1 = hosts.wait_for("acked", 1, n - 1, args.phase_deadline, "survivors acknowledged round 1")
-        m7, c7 = scrape(), cpu_snapshot(hosts, etcd_pids())
+        if self.cluster is not None:
+            self.result["leader_killed_in_reform"] = kill_leader_at_expiry(self.cluster, watch, death, ttl + deadline)
+        known1 = hosts.wait_for("entered", 1, n - 1, ttl + deadline, "survivors know round 1")
+        m6 = self.scrape()
+        acked1 = hosts.wait_for("acked", 1, n - 1, deadline, "survivors acknowledged round 1")
+        m7, c7 = self.sample()
         reform = etcd_metrics.delta_members(m5, m7)
         expired, written = watch.deleted_at, watch.rounds.get(1)
-        result.update(
+        self.result.update(
             reform_s=round(known1 - death - ttl, 3),
             reform_total_s=round(known1 - death, 3),
             reform_acked_s=round(acked1 - death - ttl, 3),
@@ -878,58 +693,59 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
             reform_cpu_s=cpu_delta(c5, c7),
         )
         if profiler is not None:
-            result["reform_profile"] = profiler.stop()
+            self.result["reform_profile"] = profiler.stop()
         logger.info(
             "  round 1: survivors know it %.3f s after the death (%.3f s beyond the %d s TTL)",
-            result["reform_total_s"],
-            result["reform_s"],
+            self.result["reform_total_s"],
+            self.result["reform_s"],
             ttl,
         )
-    except Timeout as exc:
-        logger.error("  N=%d: %s", n, exc)
-        result["error"] = str(exc)
-        if client is not None:
+
+    def diagnose(self, exc: Timeout) -> None:
+        """A phase timed out: what etcd holds, and every host thread's stack (host<i>/stacks.txt)."""
+        logger.error("  N=%d: %s", self.n, exc)
+        self.result["error"] = str(exc)
+        if self.client is not None:
             try:
-                holder_raw, _ = client.get(keys.controller)
-                round_raw, _ = client.get(keys.round)
-                result["etcd_at_error"] = {
-                    "nodes": client.get_prefix_response(keys.nodes, count_only=True).count,
-                    "controller": holder_raw.decode() if holder_raw else None,
-                    "round": RoundHeader.loads(round_raw).round if round_raw else None,
-                    "keys": client.get_prefix_response(keys.prefix, count_only=True).count,
-                }
-                logger.error("  etcd: %s", result["etcd_at_error"])
+                self.result["etcd_at_error"] = job_state(self.client, self.keys)
+                logger.error("  etcd: %s", self.result["etcd_at_error"])
             except Exception as diag:  # noqa: BLE001
                 logger.error("  could not read etcd: %s", diag)
-        if hosts is not None:
-            for process, pid in zip(hosts.processes, hosts.pids):
-                if process.is_alive():
-                    os.kill(pid, signal.SIGUSR1)
-            time.sleep(2)
-            logger.error("  stacks of every host thread: %s/host<i>/stacks.txt (kept with --keep-logs)", workdir)
-    finally:
+        if self._hosts is not None:
+            self._hosts.dump_stacks()
+            logger.error("  stacks of every host thread: %s/host<i>/stacks.txt (kept with --keep-logs)", self.workdir)
+
+    def clean_up(self) -> None:
+        """Validity and anomalies, then everything this N started is stopped and (without --keep-logs) removed."""
+        from elastic.node_memory import node_memory_dir
+
+        hosts = self._hosts
         if hosts is not None:
             hosts.drain()
-            result["anomalies"] = len(hosts.anomalies)
-            result["valid"] = not hosts.anomalies and "error" not in result
+            self.result["anomalies"] = len(hosts.anomalies)
+            self.result["valid"] = not hosts.anomalies and "error" not in self.result
             if hosts.anomalies:
-                result["first_anomaly"] = hosts.anomalies[0][:500]
-        if watch is not None:
-            watch.close()
-        if client is not None:
-            client.close()
+                self.result["first_anomaly"] = hosts.anomalies[0][:500]
+        if self.watch is not None:
+            self.watch.close()
+        if self.client is not None:
+            self.client.close()
         if hosts is not None:
             hosts.stop()
-        for folder in node_memory_dir(rdzv_id, "").parent.glob(f"elastic-{rdzv_id}-*"):
+        for folder in node_memory_dir(self.rdzv_id, "").parent.glob(f"elastic-{self.rdzv_id}-*"):
             shutil.rmtree(folder, ignore_errors=True)  # the agents' memory folders: their processes were killed
-        if etcd is not None:
-            etcd.stop()
-        if args.keep_logs:
-            logger.info("  kept %s (host<i>/host.log: the agents' log records)", workdir)
+        if self.etcd is not None:
+            self.etcd.stop()
+        if self.args.keep_logs:
+            logger.info("  kept %s (host<i>/host.log: the agents' log records)", self.workdir)
         else:
-            shutil.rmtree(workdir, ignore_errors=True)
-        result["wall_s"] = round(time.monotonic() - phase_started, 1)
-    return result
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        self.result["wall_s"] = round(time.monotonic() - self.started, 1)
+
+
+def run_one(n: int, args: argparse.Namespace) -> dict:
+    """One N from a fresh etcd to its thrown-away job: the result's figures (see RendezvousRun)."""
+    return RendezvousRun(n, args).run()
 
 
 # ================================================================================================================

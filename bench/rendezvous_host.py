@@ -1,0 +1,357 @@
+"""One host process of bench/rendezvous_bench.py: its share of the simulated agents as threads on ONE etcd client,
+answering the coordinator's commands (start, kill, stats, stop).
+
+Imported only inside the spawned host processes (`rendezvous_bench.host_main`), where bench/ and the checkout are
+already on sys.path.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from multiprocessing.queues import Queue
+from pathlib import Path
+from typing import Any
+
+import etcd_metrics
+import grpc
+from pyetcd import etcdrpc
+
+from launcher.config import LaunchConfig, RendezvousSettings
+from launcher.etcd import client as etcd_client
+from launcher.etcd.errors import EtcdUnavailable
+from launcher.etcd.lease_keeper import LeaseRoutes
+from launcher.node.agent import Agent
+from launcher.rendezvous.records import NodeRecord
+from launcher.workers.group import WorkerOutcome
+
+
+class AgentKilled(Exception):
+    """Raised inside a killed agent's loop: its thread ends without the leave path."""
+
+
+class HostState:
+    """What the agents of one host did and when; reports a (kind, round) once every live agent has done it."""
+
+    def __init__(self, index: int, events: Queue[tuple]) -> None:
+        self.index = index
+        self.events = events
+        self.lock = threading.Lock()
+        self.live = 0
+        self.times: dict[tuple[str, int | None], list[float]] = collections.defaultdict(list)
+
+    def note(self, kind: str, round_: int | None, when: float) -> None:
+        with self.lock:
+            times = self.times[(kind, round_)]
+            times.append(when)
+            if len(times) == self.live:
+                self.events.put((kind, self.index, round_, len(times), max(times)))
+
+    def anomaly(self, text: str) -> None:
+        self.events.put(("anomaly", self.index, None, 0, text))
+
+
+class SharedKeepAlive:
+    """Every lease refresh of a host's agents sent on ONE long-lived keep-alive stream of the process's client.
+
+    The agent's LeaseKeeper refreshes through `launcher.etcd.client.LeaseRoutes.refresh`, which opens a new
+    LeaseKeepAlive stream per refresh, and gRPC starts a Python thread to feed each stream: ~1.3 ms of host CPU per
+    refresh, which is nothing for one agent per machine but 1.3 cores for 1024 agents packed on this 2-core machine,
+    enough to starve the keepers and let leases expire. With --keepalive shared, this object stands in for those
+    routes process-wide (as the no-op WorkerGroup stands in for the real one): the LeaseKeepers still refresh every
+    keep_alive_interval under the same deadline and etcd still receives one LeaseKeepAlive message per refresh (the
+    same request count); only the client-side transport is cheaper. `carried` counts the refreshes it sent, so the
+    coordinator can tell when the agents' refreshes no longer come this way.
+    """
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._pending: dict[int, list] = collections.defaultdict(list)
+        self._queue: queue.Queue = queue.Queue()
+        self.carried = 0
+        threading.Thread(target=self._run, name="shared-keepalive", daemon=True).start()
+
+    def endpoints(self, lease) -> list[str]:
+        return [self._client.endpoint_label]  # the stream's
+
+    def prefer(self, lease, endpoint: str) -> None:
+        raise AssertionError(f"the shared stream runs on one endpoint; asked to move to {endpoint}")
+
+    def refresh(self, lease, deadline: float, endpoint: str) -> list:
+        """What `launcher.etcd.client.LeaseRoutes.refresh` does: etcd's answers, or a transient error (the bench's
+        etcd has one endpoint, the one the stream runs on)."""
+        done = threading.Event()
+        slot: list = []  # etcd's answer, appended by the stream's thread
+        waiter = (done, slot)
+        with self._lock:
+            self._pending[lease.id].append(waiter)
+            self.carried += 1
+        self._queue.put(etcdrpc.LeaseKeepAliveRequest(ID=lease.id))
+        if not done.wait(deadline):
+            with self._lock:
+                if waiter in self._pending[lease.id]:
+                    self._pending[lease.id].remove(waiter)
+            raise EtcdUnavailable(f"keep-alive not answered within {deadline:g} s")
+        return slot
+
+    def _run(self) -> None:
+        while True:
+            requests = self._queue
+            endpoint = self._client.endpoint_label
+            try:
+                for response in self._client.leasestub.LeaseKeepAlive(iter(requests.get, None)):
+                    with self._lock:
+                        waiters = self._pending.get(response.ID)
+                        waiter = waiters.pop(0) if waiters else None
+                    if waiter is not None:
+                        waiter[1].append(response)
+                        waiter[0].set()
+            except grpc.RpcError as exc:  # the stream broke: open another (elsewhere if its member failed)
+                try:
+                    self._client.on_endpoint_error(endpoint, exc)
+                except Exception:  # noqa: BLE001 - it raises ours; waiters time out and retry
+                    pass
+            except Exception:  # noqa: BLE001 - waiters time out and retry
+                pass
+            self._queue = queue.Queue()
+            requests.put(None)
+            time.sleep(0.1)
+
+
+class NoopWorkerGroup:
+    """The WorkerGroup interface without processes: RUNNING until the bench ends.
+
+    The agent calls its worker-group factory as (config, round_, member, master, startups, warm): bind `host` first.
+    """
+
+    def __init__(self, host: HostState, config, round_, member, master, startups=None, warm=None) -> None:
+        self.round, self.member, self.master = round_, member, master
+        host.note("workers", round_.round, time.time())
+
+    def start(self) -> None:
+        pass
+
+    def poll(self):
+        return WorkerOutcome.RUNNING, []
+
+    def stall(self) -> None:
+        return None  # no workers, never stalled
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        pass
+
+    def reporting_hang(self) -> bool:
+        return False
+
+    def latest_step(self) -> None:
+        return None  # no workers, no steps
+
+
+class BenchAgent(Agent):
+    """The real agent, plus timestamps at registration, round entry and acknowledgement, and a way to die."""
+
+    def __init__(self, host: HostState, config: LaunchConfig, client, lease_routes: LeaseRoutes) -> None:
+        super().__init__(
+            config, client, worker_group=functools.partial(NoopWorkerGroup, host), lease_routes=lease_routes
+        )
+        self.host_state = host
+        self.killed = False
+        self.registrations = 0
+        register, acknowledge = self.store.register, self.store.acknowledge
+
+        def timed_register(record: NodeRecord) -> None:
+            register(record)
+            self.registrations += 1
+            if self.registrations > 1:
+                host.anomaly(f"{self.node_id} registered again (its lease ended): lease keep-alive fell behind")
+                return
+            host.note("registered", None, time.time())
+
+        def timed_acknowledge(round_: int, round_revision: int, node: str, pid: int) -> bool:
+            committed = acknowledge(round_, round_revision, node, pid)
+            if committed:
+                host.note("acked", round_, time.time())
+            return committed
+
+        # wraps the methods of this agent's own store object, so every caller in the agent goes through them
+        self.store.register = timed_register  # type: ignore[method-assign]  # same signature, wrapped
+        self.store.acknowledge = timed_acknowledge  # type: ignore[method-assign]  # same signature, wrapped
+
+    def enter_round(self, header, revision) -> None:
+        super().enter_round(header, revision)
+        assert self.run_ is not None  # set by the round just entered
+        if self.run_.member is not None:
+            self.host_state.note("entered", header.round, time.time())
+
+    def step(self, view) -> None:
+        if self.killed:
+            raise AgentKilled(self.node_id)
+        super().step(view)
+
+    def sync_log(self) -> None:
+        if not self.killed:  # a dead agent does not mirror the membership log
+            super().sync_log()
+
+    def die(self) -> float:
+        """Stop refreshing the lease and end the loop without leaving; returns the time of death."""
+        when = time.time()
+        self.me.keeper.stop()
+        self.killed = True
+        self.mirror.poke()
+        return when
+
+
+class AgentThreads:
+    """The host's agents, each on a thread of its own once started."""
+
+    def __init__(self, host: HostState, agents: dict[str, BenchAgent]) -> None:
+        self.host = host
+        self.agents = agents
+
+    def start(self, node: str) -> None:
+        with self.host.lock:
+            self.host.live += 1
+        threading.Thread(target=self._run, args=(self.agents[node],), name=f"agent-{node}", daemon=True).start()
+
+    def start_all_but(self, holdback: str, rate: float) -> None:
+        """Every agent but the held-back one, `rate` per second (0: all at once)."""
+        started_at = time.monotonic()
+        for count, node in enumerate(n for n in self.agents if n != holdback):
+            self.start(node)
+            if rate > 0:
+                delay = started_at + (count + 1) / rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+
+    def kill(self, node: str) -> float:
+        """The agent dies (see BenchAgent.die); returns the time of death."""
+        with self.host.lock:
+            self.host.live -= 1
+        return self.agents[node].die()
+
+    def _run(self, agent: BenchAgent) -> None:
+        try:
+            agent.run()
+        except AgentKilled:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, never silent
+            self.host.anomaly(f"{agent.node_id} crashed: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
+
+
+def configure_process(log_dir: str, log_level: str) -> None:
+    """Thread stacks, the agents' log records in <log_dir>/host.log, and every thread's stack on SIGUSR1."""
+    threading.stack_size(2 << 20)
+    logging.basicConfig(
+        level=log_level,
+        filename=os.path.join(log_dir, "host.log"),
+        format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
+    )
+    signal.signal(signal.SIGUSR1, functools.partial(dump_stacks, log_dir))
+
+
+def dump_stacks(log_dir: str, signum: int | None = None, frame: Any = None) -> None:
+    # the coordinator sends SIGUSR1 when a phase times out: every thread's stack lands in host<i>/stacks.txt
+    names = {t.ident: t.name for t in threading.enumerate()}
+    with open(os.path.join(log_dir, "stacks.txt"), "w") as out:
+        for ident, frame_ in sys._current_frames().items():
+            out.write(f"\n--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame_))}")
+
+
+def build_agents(spec: dict, host: HostState, client, lease_routes: LeaseRoutes) -> dict[str, BenchAgent]:
+    """One BenchAgent per node of this host, in the spec's order (the order they start in)."""
+    # --nnodes 1:N with a last call of an hour: round 0 forms the moment the N-th agent registers (MAX reached),
+    # and a loss re-forms at once with N-1 (MIN is met); --nnodes N:N could never re-form after a loss.
+    rdzv = RendezvousSettings(
+        keep_alive_interval=spec["keep_alive_interval"],
+        keep_alive_max_attempt=spec["lease_attempts"],
+        last_call_timeout=3600,
+        join_timeout=3600,
+        close_timeout=3600,
+    )
+    agents: dict[str, BenchAgent] = {}
+    for node in spec["nodes"]:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=spec["n"],
+            nproc_per_node=1,
+            rdzv_endpoint=spec["endpoint"],
+            rdzv_id=spec["rdzv_id"],
+            rdzv=rdzv,
+            monitor_interval=5.0,
+            log_dir=Path(spec["log_dir"]),
+            local_addr="127.0.0.1",
+            node_id=node,
+            entrypoint="noop-worker",
+            warm_workers=False,  # no-op workers: a warm interpreter per simulated agent would import torch N times
+        )
+        agents[node] = BenchAgent(host, config, client, lease_routes)
+    return agents
+
+
+def process_stats(shared: SharedKeepAlive | None) -> dict:
+    return {
+        "threads": threading.active_count(),
+        "os_threads": etcd_metrics.process_threads(os.getpid()),
+        "cpu_s": etcd_metrics.process_cpu_seconds(os.getpid()),
+        "rss_mib": _rss_mib(),
+        "shared_refreshes": shared.carried if shared is not None else 0,
+    }
+
+
+def _rss_mib() -> float:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def serve(conn: Connection, deadline: float, agents: AgentThreads, shared: SharedKeepAlive | None) -> None:
+    """Answer the coordinator's commands until it says stop, goes away, or the host's deadline passes."""
+    while time.monotonic() < deadline:
+        if not conn.poll(1.0):
+            if os.getppid() == 1:
+                break  # the coordinator is gone
+            continue
+        command, *rest = conn.recv()
+        if command == "start":
+            agents.start(rest[0])
+            conn.send(("started", time.time()))
+        elif command == "kill":
+            conn.send(("killed", agents.kill(rest[0])))
+        elif command == "stats":
+            conn.send(("stats", process_stats(shared)))
+        elif command == "stop":
+            conn.send(("stopping", None))
+            break
+
+
+def main(index: int, spec: dict, conn: Connection, events: Queue[tuple]) -> None:
+    """Entry point of one host process: runs its agents and answers the coordinator's commands, then exits."""
+    configure_process(spec["log_dir"], spec["log_level"])
+    deadline = time.monotonic() + spec["host_deadline_s"]
+    host = HostState(index, events)
+    client = etcd_client.connect(spec["endpoint"])
+    shared = None
+    lease_routes: LeaseRoutes = etcd_client.LEASE_ROUTES
+    if spec["keepalive"] == "shared":
+        # every agent of this host process is simulated, so the shared stream stands in for its refreshes
+        shared = SharedKeepAlive(client)
+        lease_routes = shared
+    agents = AgentThreads(host, build_agents(spec, host, client, lease_routes))
+    agents.start_all_but(spec["holdback"], spec["start_rate"])
+    serve(conn, deadline, agents, shared)
+    os._exit(0)  # the agents' threads are daemons; the job is thrown away with its etcd
