@@ -1,51 +1,80 @@
-"""Chaos benchmark: a stream of faults against examples/train.py under elastic-run, next to the same job without
-faults in the same invocation.
+"""Chaos benchmark: a stream of faults against a training job under elastic-run (and, with --systems, under torchft
+and NVIDIA's ft_launcher), next to the same job without faults in the same invocation.
 
-Both runs: a fresh etcd and --nodes agents x --nproc workers (--nnodes N-1:N, --max-restarts 1000, lease 1 s x 3,
-last call 3 s) training --steps steps of the tiny model (global batch 24, a checkpoint on disk every 50 steps).
-In the chaos run, once training started, one fault every --fault-every seconds, cycling through --kinds:
+  elastic-run  a fresh etcd and --nodes agents x --nproc workers (--nnodes N-1:N, --max-restarts 1000, lease
+               1 s x 3, last call 3 s) training --steps steps of examples/train.py's tiny model (global batch 24,
+               a checkpoint on disk every 50 steps);
+  torchft      bench/peer_bench.py's torchft job (a Lighthouse, one torchrun per replica group) for
+               --steps-torchft steps; a replacement node is a new replica group in the lost one's slot;
+  nvrx         bench/peer_bench.py's ft_launcher job (c10d rendezvous, --nnodes 2:3, --max-restarts 1000) for
+               --steps-nvrx steps; node 0 hosts the c10d store, a single point of failure no fault is aimed at.
+
+The peers train bench/peer_worker.py, the same model unpaced; their step counts are chosen so that each system's
+fault-free run lasts about as long (~100 s here). In each chaos run, once training started, one fault every
+--fault-every seconds, cycling through --kinds:
 
   kill   SIGKILL a node's agent and every process under it;
   stop   SIGSTOP the same, SIGKILLed 10 s later (a hung host that is then rebooted);
   crash  SIGKILL one training worker;
-  hang   SIGSTOP one training worker (the progress watchdog, --watchdog-min, finds it);
-  term   SIGTERM a node's agent (a preemption notice: it drains and leaves).
+  hang   SIGSTOP one training worker (elastic-run's progress watchdog, --watchdog-min, finds it; torchft's gloo
+         timeout; ft_launcher's rank heartbeat timeout);
+  term   SIGTERM a node's agent (a preemption notice: elastic-run drains and leaves; torchrun and ft_launcher stop
+         their workers and exit).
 
-A node that is gone is replaced --rejoin-after seconds later by a new agent with a new node id (a scale-up).
-The victim is drawn (--seed) among the nodes that run. Then, from the sample log each rank writes:
+A node that is gone is replaced --rejoin-after seconds later by a new one (a scale-up). The victim is drawn
+(--seed) among the nodes that run. Then, from the step log each rank writes, for each system:
 
-  goodput      the fault-free run's seconds from its first completed step to its last, over the chaos run's;
-  pauses       every gap between two completed steps longer than 5 x the fault-free median step (at least 1 s),
-               with the faults and joins that came in it;
-  redone       steps completed more than once (a new round resumed from before them);
+  goodput      samples trained per second from the first committed step to the last, over the fault-free run's
+               (for elastic-run and ft_launcher, which re-split the global batch over the ranks left, that is new
+               steps per second: step_goodput; a torchft step trains only the shares of the replica groups in its
+               quorum); a chaos run that --deadline cuts short is measured up to its last step;
+  pauses       every gap between two new committed steps longer than 5 x the fault-free median step (at least
+               1 s), with the faults and joins that came in it;
+  redone       steps committed again after a later step was (a new round resumed from before them);
+  dropped      steps a torchft quorum did not commit (should_commit() said no);
+  world        the mean number of ranks that committed a step: torchft trains a smaller batch while groups are
+               missing, the others re-split the global batch;
+and for elastic-run, against its fault-free run:
   differ       steps whose samples (all ranks together) are not the fault-free run's;
   loss_rel     the largest relative difference of a step's loss from the fault-free run's.
 
-It prints one JSON line, then a table of the pauses.
+It prints one JSON line per system, a table of the systems, then each system's pauses.
 
-    python bench/chaos_bench.py                                   # 400 steps, a fault every 15 s, all kinds
+    python bench/chaos_bench.py                                   # elastic-run: 400 steps, a fault every 15 s
     python bench/chaos_bench.py --kinds kill,crash --fault-every 10 --watchdog-min 10
+    python bench/chaos_bench.py --systems elastic-run,torchft,nvrx --kinds kill,stop,crash,hang,term   # [peers]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import random
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))  # recovery_bench puts the repository on sys.path itself
 
+from peer_bench import (  # noqa: E402
+    INSTALL,
+    PEER_MODULES,
+    start_lighthouse,
+    start_nvrx_node,
+    start_torchft_group,
+    worker_args,
+    workers_of,
+)
 from recovery_bench import (  # noqa: E402
     Job,
     process_tree,
@@ -54,12 +83,13 @@ from recovery_bench import (  # noqa: E402
 )
 from training_recovery_bench import TINY_MODEL, TRAIN, completed_steps  # noqa: E402
 
-from launcher.etcd.server import EtcdServer  # noqa: E402
+from launcher.etcd.server import EtcdServer, free_port  # noqa: E402
 from launcher.workers.process_tree import child_pids  # noqa: E402
 
 logger = logging.getLogger("chaos-bench")
 
 KINDS = ("kill", "stop", "crash", "hang", "term")
+SYSTEMS = ("elastic-run", "torchft", "nvrx")
 STOPPED_UNTIL_KILL_S = 10.0
 RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3"
 
@@ -72,19 +102,47 @@ class Change:
     what: str
 
 
-@dataclass
-class Run:
-    job: Job
-    args: argparse.Namespace
-    changes: list[Change] = field(default_factory=list)
+class System(Protocol):
+    """How one system's job starts its nodes, and where its ranks log their steps."""
 
-    @property
-    def samples(self) -> Path:
-        return self.job.workdir / "samples.jsonl"
+    name: str
+    steps: int  # the step the job trains to
+    spared: frozenset[int]  # nodes no fault is aimed at
+    batch_follows_world: bool  # a step of fewer ranks trains fewer samples (else the global batch is re-split)
 
-    def start_node(self) -> int:
-        node = len(self.job.agents)
-        assert self.job.etcd is not None, "started before any node"
+    def start(self, job: Job) -> None: ...
+
+    def start_node(self, job: Job, slot: int) -> None: ...
+
+    def workers(self, agent_pid: int) -> list[int]: ...
+
+    def records(self, job: Job) -> list[dict]: ...
+
+    def close(self) -> None: ...
+
+
+def _json_lines(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class ElasticRun:
+    name = "elastic-run"
+    spared: frozenset[int] = frozenset()
+    batch_follows_world = False
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.steps = args.steps
+
+    def start(self, job: Job) -> None:
+        (job.workdir / "etcd").mkdir(parents=True)
+        job.etcd = EtcdServer(data_dir=str(job.workdir / "etcd")).start()
+
+    def start_node(self, job: Job, slot: int) -> None:
+        node = len(job.agents)
+        assert job.etcd is not None, "started before any node"
         command = [
             sys.executable,
             "-m",
@@ -96,9 +154,9 @@ class Run:
             "--rdzv-backend",
             "etcd",
             "--rdzv-endpoint",
-            self.job.etcd.endpoint,
+            job.etcd.endpoint,
             "--rdzv-id",
-            self.job.rdzv_id,
+            job.rdzv_id,
             "--rdzv-conf",
             RDZV_CONF,
             "--max-restarts",
@@ -108,117 +166,240 @@ class Run:
             "--node-id",
             f"node{node}",
             "--log-dir",
-            str(self.job.log_dir(node)),
+            str(job.log_dir(node)),
             str(TRAIN),
             "--steps",
             str(self.args.steps),
             "--global-batch",
             "24",
             "--ckpt-dir",
-            str(self.job.workdir / "ckpt"),
+            str(job.workdir / "ckpt"),
             "--ckpt-every",
             "50",
             "--sample-log",
-            str(self.samples),
+            str(job.workdir / "samples.jsonl"),
             *TINY_MODEL,
         ]
-        self.job.start_agent(node, command)
+        job.start_agent(node, command)
+
+    def workers(self, agent_pid: int) -> list[int]:
+        return child_pids(agent_pid)  # seen through their supervisor
+
+    def records(self, job: Job) -> list[dict]:
+        return _json_lines(job.workdir / "samples.jsonl")
+
+    def close(self) -> None:
+        pass
+
+
+class Torchft:
+    name = "torchft"
+    spared: frozenset[int] = frozenset()
+    batch_follows_world = True  # each replica group keeps its share: the missing groups' samples are not trained
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.steps = args.steps_torchft
+        self.lighthouse: subprocess.Popen | None = None
+        self.port = 0
+
+    def start(self, job: Job) -> None:
+        self.lighthouse, self.port = start_lighthouse(job)
+
+    def start_node(self, job: Job, slot: int) -> None:
+        start_torchft_group(job, slot, self.port, worker_args("torchft", self.log(job), job.workdir, self.steps))
+
+    def workers(self, agent_pid: int) -> list[int]:
+        return workers_of(agent_pid)
+
+    def records(self, job: Job) -> list[dict]:
+        return _json_lines(self.log(job))
+
+    def log(self, job: Job) -> Path:
+        return job.workdir / "steps.jsonl"
+
+    def close(self) -> None:
+        if self.lighthouse is not None:
+            self.lighthouse.kill()
+            self.lighthouse.wait()
+
+
+class Nvrx(Torchft):
+    name = "nvrx"
+    spared = frozenset({0})  # it hosts the c10d store: its loss ends the job
+    batch_follows_world = False
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.steps = args.steps_nvrx
+        self.lighthouse = None
+        self.port = 0
+
+    def start(self, job: Job) -> None:
+        self.port = free_port()
+
+    def start_node(self, job: Job, slot: int) -> None:
+        worker = worker_args("nvrx", self.log(job), job.workdir, self.steps)
+        start_nvrx_node(job, self.port, worker, max_restarts=1000)
+
+
+@dataclass
+class Run:
+    job: Job
+    system: System
+    args: argparse.Namespace
+    changes: list[Change] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # node -> the slot it fills (torchft's replica group)
+    cut_at: float | None = None  # when --deadline stopped a job that had not ended
+    _finished: bool = False
+    _checked_at: float = 0.0
+
+    def start_node(self, slot: int | None = None) -> int:
+        node = len(self.job.agents)
+        slot = node if slot is None else slot
+        self.system.start_node(self.job, slot)
+        self.slots.append(slot)
         return node
 
     def records(self) -> list[dict]:
-        if not self.samples.is_file():
-            return []
-        return [json.loads(line) for line in self.samples.read_text().splitlines() if line.strip()]
+        """The ranks' step records, but those of processes started after the last step was first committed: a
+        peer's process left behind (a torchft group with a stopped worker) may linger after the job, and a
+        replacement started then finds no quorum and trains a model of its own from step 1."""
+        records = self.system.records(self.job)
+        done = [r["time"] for r in records if r["step"] >= self.system.steps and r.get("committed", True)]
+        return [r for r in records if r.get("started", 0.0) <= min(done)] if done else records
+
+    def finished(self) -> bool:
+        """Whether the last step was committed (read at most once a second: the peers' logs grow long)."""
+        if not self._finished and time.monotonic() - self._checked_at >= 1.0:
+            self._checked_at = time.monotonic()
+            self._finished = any(r["step"] >= self.system.steps for r in self.records())
+        return self._finished
 
 
-def run_job(workdir: Path, args: argparse.Namespace, chaos: bool) -> Run:
-    job = Job(launcher="elastic-run", workdir=workdir)
-    (workdir / "etcd").mkdir(parents=True)
-    job.etcd = EtcdServer(data_dir=str(workdir / "etcd")).start()
-    run = Run(job, args)
+def run_job(system: System, workdir: Path, args: argparse.Namespace, chaos: bool) -> Run:
+    workdir.mkdir(parents=True)
+    job = Job(launcher=system.name, workdir=workdir)
+    run = Run(job, system, args)
     try:
+        system.start(job)
         for _ in range(args.nodes):
             run.start_node()
+            time.sleep(0.5)  # join in order: nvrx's node 0 hosts the c10d store
         if chaos:
             _stream_of_faults(run, args)
         else:
             _wait_for_the_end(run, time.monotonic() + args.deadline)
     finally:
         job.stop()
+        system.close()
     return run
 
 
 def _wait_for_the_end(run: Run, deadline: float) -> None:
     while time.monotonic() < deadline:
-        if run.job.running_agents() == 0:
+        if run.job.running_agents() == 0 or run.finished():
             return
         time.sleep(0.5)
+    run.cut_at = time.time()
     logger.warning("  the job did not end within --deadline %.0f s", run.args.deadline)
+
+
+@dataclass
+class Stream:
+    """What the stream of faults has done to the nodes so far."""
+
+    faulted: set[int] = field(default_factory=set)  # nodes hit whole (gone, stopped or leaving): hit only once
+    to_kill: dict[int, float] = field(default_factory=dict)  # stopped node -> when it gets SIGKILL
+    leaving: set[int] = field(default_factory=set)  # SIGTERMed agents, replaced once they exited
+    joins: list[tuple[float, int]] = field(default_factory=list)  # when replacements start, and the slot each fills
 
 
 def _stream_of_faults(run: Run, args: argparse.Namespace) -> None:
     """One fault every --fault-every s once training started; gone nodes replaced --rejoin-after s later."""
     rng = random.Random(args.seed)
-    kinds = args.kinds
     deadline = time.monotonic() + args.deadline
-    while not completed_steps(run.records()) and time.monotonic() < deadline:
+    while not progress(run.records()) and time.monotonic() < deadline:
         time.sleep(0.2)
     next_fault = time.time() + args.fault_every
-    faulted: set[int] = set()  # nodes hit whole (gone, stopped or leaving): no second fault for them
-    to_kill: dict[int, float] = {}  # stopped node -> when it gets SIGKILL
-    leaving: set[int] = set()  # SIGTERMed agents, replaced once they exited
-    joins: list[float] = []  # when replacements start
+    stream = Stream()
     count = 0
-    while run.job.running_agents() and time.monotonic() < deadline:
+    while run.job.running_agents() and not run.finished() and time.monotonic() < deadline:
         now = time.time()
-        for node, at in list(to_kill.items()):
+        for node, at in list(stream.to_kill.items()):
             if now >= at:
                 signal_groups_of(process_tree(run.job.agents[node].pid), signal.SIGKILL)
-                del to_kill[node]
-                joins.append(now + args.rejoin_after)
-        for node in list(leaving):
+                del stream.to_kill[node]
+                stream.joins.append((now + args.rejoin_after, run.slots[node]))
+        for node in list(stream.leaving):
             if run.job.agents[node].poll() is not None:
-                leaving.discard(node)
-                joins.append(now + args.rejoin_after)
-        for at in [at for at in joins if now >= at]:
-            joins.remove(at)
-            node = run.start_node()
+                stream.leaving.discard(node)
+                stream.joins.append((now + args.rejoin_after, run.slots[node]))
+        for join in [join for join in stream.joins if now >= join[0]]:
+            stream.joins.remove(join)
+            node = run.start_node(join[1])
             run.changes.append(Change(now, f"node{node} joins"))
         if now >= next_fault:
-            live = [n for n, agent in enumerate(run.job.agents) if agent.poll() is None and n not in faulted]
-            kind = kinds[count % len(kinds)]
-            if live and _fault(run, kind, rng.choice(live), faulted, to_kill, leaving, joins, args):
+            live = [
+                n
+                for n, agent in enumerate(run.job.agents)
+                if agent.poll() is None and n not in stream.faulted and n not in run.system.spared
+            ]
+            kind = args.kinds[count % len(args.kinds)]
+            if live and _fault(run, kind, rng.choice(live), stream, args.rejoin_after):
                 count += 1
             next_fault = now + (args.fault_every if live else 1.0)
         time.sleep(0.1)
+    if run.job.running_agents() and not run.finished():
+        run.cut_at = time.time()
+        logger.warning("  the job did not end within --deadline %.0f s", args.deadline)
 
 
-def _fault(run: Run, kind: str, node: int, faulted: set, to_kill: dict, leaving: set, joins: list, args) -> bool:
+def _fault(run: Run, kind: str, node: int, stream: Stream, rejoin_after: float) -> bool:
     """Apply fault `kind` to `node`; False when it found nothing to fault (a node between rounds has no worker)."""
     agent = run.job.agents[node]
     now = time.time()
     if kind in ("crash", "hang"):
-        workers = child_pids(agent.pid)
+        workers = run.system.workers(agent.pid)
         if not workers:
             return False
         signal_groups_of([workers[0]], signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
     elif kind == "term":
         agent.send_signal(signal.SIGTERM)
-        faulted.add(node)
-        leaving.add(node)
+        stream.faulted.add(node)
+        stream.leaving.add(node)
     else:
         signal_groups_of(process_tree(agent.pid), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-        faulted.add(node)
+        stream.faulted.add(node)
         if kind == "kill":
-            joins.append(now + args.rejoin_after)
+            stream.joins.append((now + rejoin_after, run.slots[node]))
         else:
-            to_kill[node] = now + STOPPED_UNTIL_KILL_S
+            stream.to_kill[node] = now + STOPPED_UNTIL_KILL_S
     run.changes.append(Change(now, f"{kind} node{node}"))
     logger.info("  %s node%d", kind, node)
     return True
 
 
-# -- what the sample logs say ------------------------------------------------------------------------------------
+# -- what the step logs say ----------------------------------------------------------------------------------------
+
+
+def progress(records: list[dict]) -> list[tuple[float, int, int]]:
+    """(time, step, world size) each time a step higher than every one before it was committed. A rank logs a step
+    only once its gradients were averaged with every other rank's, so the first rank's log commits it."""
+    found: list[tuple[float, int, int]] = []
+    for record in sorted((r for r in records if r.get("committed", True)), key=lambda r: r["time"]):
+        if not found or record["step"] > found[-1][1]:
+            found.append((record["time"], record["step"], record["world_size"]))
+    return found
+
+
+def redone_steps(records: list[dict]) -> int:
+    """Steps committed again after they or later ones were: work a new configuration did twice. Rank 0 is in every
+    configuration and logs its steps in order within one, so its records show every step a new one went back to."""
+    highest, again = 0, set()
+    for record in sorted((r for r in records if r.get("committed", True) and r["rank"] == 0), key=lambda r: r["time"]):
+        if record["step"] <= highest:
+            again.add(record["step"])
+        highest = max(highest, record["step"])
+    return len(again)
 
 
 def step_samples(records: list[dict]) -> dict[int, tuple[list[int], float]]:
@@ -236,38 +417,61 @@ def step_samples(records: list[dict]) -> dict[int, tuple[list[int], float]]:
     return {step: (sorted(samples), loss) for step, (samples, loss) in found.items()}
 
 
+def batches_per_second(run: Run, steps: list[tuple[float, int, int]], batch_follows_world: bool) -> float:
+    """Global batches trained per second from the first committed step to the last, or to the deadline that cut the
+    run short (a step of a smaller world counts as the part of a batch it trained, where the batch follows the
+    world)."""
+    full = max(world for _, _, world in steps)
+    batches = sum(world / full if batch_follows_world else 1.0 for _, _, world in steps[1:])
+    return batches / ((run.cut_at or steps[-1][0]) - steps[0][0])
+
+
 def compare(free: Run, chaos: Run) -> dict:
-    free_steps, chaos_steps = completed_steps(free.records()), completed_steps(chaos.records())
-    free_s = free_steps[-1].time - free_steps[0].time
-    chaos_s = chaos_steps[-1].time - chaos_steps[0].time
-    median = statistics.median(b.time - a.time for a, b in zip(free_steps, free_steps[1:]))
+    free_records, chaos_records = free.records(), chaos.records()
+    free_steps, chaos_steps = progress(free_records), progress(chaos_records)
+    free_s = free_steps[-1][0] - free_steps[0][0]
+    chaos_s = (chaos.cut_at or chaos_steps[-1][0]) - chaos_steps[0][0]
+    follows = chaos.system.batch_follows_world
+    median = statistics.median(b[0] - a[0] for a, b in zip(free_steps, free_steps[1:]))
     long_gap = max(1.0, 5 * median)
     pauses: list[dict[str, Any]] = []
-    for before, after in zip(chaos_steps, chaos_steps[1:]):
-        if after.time - before.time > long_gap:
-            causes = [c.what for c in chaos.changes if before.time - 1.0 <= c.at <= after.time]
-            pauses.append({"s": round(after.time - before.time, 2), "after_step": before.step, "causes": causes})
-    expected, got = step_samples(free.records()), step_samples(chaos.records())
-    differ = sorted(step for step in expected if got.get(step, ([], 0.0))[0] != expected[step][0])
-    loss_rel = max(
-        (abs(got[s][1] - loss) / abs(loss) for s, (_, loss) in expected.items() if s in got and loss),
-        default=None,
-    )
+    cut = [(chaos.cut_at, 0, 0)] if chaos.cut_at else []  # the pause the deadline ended
+    for (before, step, _), (after, _, _) in zip(chaos_steps, [*chaos_steps[1:], *cut]):
+        if after - before > long_gap:
+            causes = [c.what for c in chaos.changes if before - 1.0 <= c.at <= after]
+            pauses.append({"s": round(after - before, 2), "after_step": step, "causes": causes})
     faults = [c.what.split()[0] for c in chaos.changes if not c.what.endswith("joins")]
-    return {
-        "goodput": round(free_s / chaos_s, 3),
+    result: dict[str, Any] = {
+        "system": chaos.system.name,
+        # samples trained per second against the fault-free run's: with torchft a smaller quorum's steps train
+        # less and, on 2 oversubscribed cores, run faster, so its steps per second would flatter it
+        "goodput": round(
+            batches_per_second(chaos, chaos_steps, follows) / batches_per_second(free, free_steps, follows), 3
+        ),
+        "step_goodput": round(
+            batches_per_second(chaos, chaos_steps, False) / batches_per_second(free, free_steps, False), 3
+        ),
         "fault_free_s": round(free_s, 1),
         "chaos_s": round(chaos_s, 1),
         "faults": {kind: faults.count(kind) for kind in KINDS if kind in faults},
         "joins": sum(c.what.endswith("joins") for c in chaos.changes),
-        "steps": len(expected),
-        "steps_missing": sorted(set(expected) - set(got)),
-        "redone": len(chaos_steps) - len({s.step for s in chaos_steps}),
-        "differ": differ,
-        "loss_rel": loss_rel,
+        "steps": free_steps[-1][1],
+        "last_step": chaos_steps[-1][1],
+        "redone": redone_steps(chaos_records),
+        "dropped": len({r["step"] for r in chaos_records if not r.get("committed", True)}),
+        "world": round(statistics.mean(world for _, _, world in chaos_steps), 2),
         "longest_pause_s": max((float(p["s"]) for p in pauses), default=0.0),
         "pauses": pauses,
     }
+    if chaos.system.name == "elastic-run":  # train.py logs its samples and losses: the runs must agree on them
+        expected, got = step_samples(free_records), step_samples(chaos_records)
+        result["steps_missing"] = sorted(set(expected) - set(got))
+        result["differ"] = sorted(step for step in expected if got.get(step, ([], 0.0))[0] != expected[step][0])
+        result["loss_rel"] = max(
+            (abs(got[s][1] - loss) / abs(loss) for s, (_, loss) in expected.items() if s in got and loss),
+            default=None,
+        )
+    return result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -276,52 +480,90 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:]),
     )
+    parser.add_argument("--systems", default="elastic-run", help=f"comma-separated, from {', '.join(SYSTEMS)}")
     parser.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults (default 15)")
     parser.add_argument("--rejoin-after", type=float, default=5.0, help="seconds until a gone node is replaced")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"faults, cycled (default {','.join(KINDS)})")
-    parser.add_argument("--steps", type=int, default=400, help="steps to train (default 400)")
+    parser.add_argument("--steps", type=int, default=400, help="elastic-run: steps to train (default 400)")
+    parser.add_argument("--steps-torchft", type=int, default=1600, help="torchft: steps to train (default 1600)")
+    parser.add_argument("--steps-nvrx", type=int, default=4400, help="nvrx: steps to train (default 4400)")
     parser.add_argument("--seed", type=int, default=0, help="draws the victims (default 0)")
-    parser.add_argument("--nodes", type=int, default=3, help="agents (default 3)")
-    parser.add_argument("--nproc", type=int, default=2, help="workers per agent (default 2)")
+    parser.add_argument("--nodes", type=int, default=3, help="elastic-run: agents (default 3; the peers run 3)")
+    parser.add_argument("--nproc", type=int, default=2, help="elastic-run: workers per agent (default 2)")
     parser.add_argument("--watchdog-min", type=float, default=3.0, help="elastic-run's --watchdog-min (default 3)")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds allowed per run (default 900)")
-    parser.add_argument("--keep-logs", action="store_true", help="keep both runs' directories")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every run's directory")
     args = parser.parse_args(argv)
     args.kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
     unknown = sorted(set(args.kinds) - set(KINDS))
     if unknown or not args.kinds:
         parser.error(f"--kinds: unknown {unknown}; choose from {','.join(KINDS)}")
+    args.systems = [system.strip() for system in args.systems.split(",") if system.strip()]
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown or not args.systems:
+        parser.error(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}")
     if args.nodes < 2:
         parser.error("--nodes: at least 2 (the job goes on with N-1)")
     return args
 
 
+def make_system(name: str, args: argparse.Namespace) -> System:
+    systems: dict[str, type[ElasticRun] | type[Torchft]] = {"elastic-run": ElasticRun, "torchft": Torchft, "nvrx": Nvrx}
+    return systems[name](args)
+
+
+def print_report(results: list[dict]) -> None:
+    header = ["system", "goodput", "step goodput", "fault-free s", "chaos s", "faults", "joins", "redone", "dropped"]
+    rows = [[*header, "world"]]
+    for r in results:
+        faults = " ".join(f"{kind}:{count}" for kind, count in r["faults"].items())
+        cells = [r["goodput"], r["step_goodput"], r["fault_free_s"], r["chaos_s"], faults, r["joins"], r["redone"]]
+        rows.append([r["system"], *(str(cell) for cell in [*cells, r["dropped"], r["world"]])])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print()
+    for row in rows:
+        print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+    for r in results:
+        print(f"\n{r['system']}: {'pause s':>8} | after step | causes")
+        for pause in r["pauses"]:
+            print(f"{'':{len(r['system']) + 1}} {pause['s']:8.2f} | {pause['after_step']:10d} | ", end="")
+            print(", ".join(pause["causes"]) or "-")
+        if r["system"] == "elastic-run":
+            print(
+                f"elastic-run against its fault-free run: steps missing {len(r['steps_missing'])}, steps whose "
+                f"samples differ {len(r['differ'])}, largest relative loss difference {r['loss_rel']}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    missing = [s for s in args.systems if s in PEER_MODULES and importlib.util.find_spec(PEER_MODULES[s]) is None]
+    if missing:
+        print(f"chaos_bench: {', '.join(missing)} not installed: {INSTALL}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     signal.signal(signal.SIGTERM, terminate_like_ctrl_c)
     root = Path(tempfile.mkdtemp(prefix="chaos-bench-"))
+    results = []
     try:
-        logger.info("fault-free run (%d steps)", args.steps)
-        free = run_job(root / "fault-free", args, chaos=False)
-        logger.info("chaos run: a fault every %.0f s (%s)", args.fault_every, ",".join(args.kinds))
-        chaos = run_job(root / "chaos", args, chaos=True)
-        result = compare(free, chaos)
+        for name in args.systems:
+            logger.info("%s: fault-free run", name)
+            free = run_job(make_system(name, args), root / name / "fault-free", args, chaos=False)
+            logger.info("%s: chaos run, a fault every %.0f s (%s)", name, args.fault_every, ",".join(args.kinds))
+            chaos = run_job(make_system(name, args), root / name / "chaos", args, chaos=True)
+            results.append(compare(free, chaos))
+            print(json.dumps(results[-1]), flush=True)
     finally:
         if args.keep_logs:
             logger.info("kept %s", root)
         else:
             shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps(result), flush=True)
-    print(f"\n{'pause s':>8} | after step | causes")
-    for pause in result["pauses"]:
-        print(f"{pause['s']:8.2f} | {pause['after_step']:10d} | {', '.join(pause['causes']) or '-'}")
-    print(
-        f"\ngoodput {result['goodput']} ({result['fault_free_s']} s fault-free, {result['chaos_s']} s with "
-        f"{sum(result['faults'].values())} faults and {result['joins']} joins); steps redone {result['redone']}, "
-        f"steps whose samples differ {len(result['differ'])}, largest relative loss difference {result['loss_rel']}"
-    )
-    return 0 if not result["steps_missing"] else 1
+    print_report(results)
+    for r in results:
+        if r["last_step"] < r["steps"]:
+            print(f"{r['system']}: the chaos run reached step {r['last_step']} of {r['steps']} within --deadline")
+    # elastic-run must have trained every step with the fault-free run's samples; a peer cut short is a figure
+    return 1 if any(r.get("steps_missing") or r.get("differ") for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ Lighthouse or etcd and its directory go when it ends, on Ctrl-C too.
     python bench/peer_bench.py                                    # kill, stop, crash for all three
     python bench/peer_bench.py --systems elastic-run,torchft --faults kill --keep-logs
     python bench/peer_bench.py --systems elastic-run              # without the peer packages
+
+The stream of faults (one every 15 s, nodes replaced) runs through the peers in bench/chaos_bench.py:
+
+    python bench/chaos_bench.py --systems elastic-run,torchft,nvrx
 """
 
 from __future__ import annotations
@@ -149,15 +153,17 @@ def run_elastic(fault: str, args: argparse.Namespace) -> Result:
 # -- the peers ------------------------------------------------------------------------------------------------
 
 
-def worker_args(system: str, log: Path, workdir: Path) -> list[str]:
+def worker_args(system: str, log: Path, workdir: Path, steps: int | None = None) -> list[str]:
     flags = TORCHFT_WORKER_FLAGS if system == "torchft" else ["--ckpt", str(workdir / "ckpt.pt")]
     if system == "nvrx":
         flags = [*flags, "--ckpt-every", str(NVRX_CKPT_EVERY)]
+    if steps is not None:
+        flags = [*flags, "--steps", str(steps)]
     return [str(WORKER), "--system", system, "--log", str(log), "--nodes", str(NODES), *flags, *TINY_MODEL]
 
 
-def start_torchft(job: Job, log: Path) -> subprocess.Popen:
-    """The Lighthouse (returned: it is not a node) and one torchrun per replica group."""
+def start_lighthouse(job: Job) -> tuple[subprocess.Popen, int]:
+    """torchft's Lighthouse (not a node: no fault reaches it) and its port."""
     port = free_port()
     with open(job.workdir / "lighthouse.out", "wb") as output:
         lighthouse = subprocess.Popen(
@@ -167,25 +173,46 @@ def start_torchft(job: Job, log: Path) -> subprocess.Popen:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+    return lighthouse, port
+
+
+def start_torchft_group(job: Job, group: int, lighthouse_port: int, worker: list[str]) -> None:
+    """One replica group as the next node of `job`: a torchrun of `worker` (worker_args). A replacement for a lost
+    group takes its REPLICA_GROUP_ID, as a new host in the lost one's slot would."""
+    environment = [
+        "LOGLEVEL=INFO",
+        f"REPLICA_GROUP_ID={group}",
+        f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:{lighthouse_port}",
+    ]
+    command = ["env", *environment, sys.executable, "-m", "torch.distributed.run", *TORCHFT_TORCHRUN_FLAGS]
+    job.start_agent(len(job.agents), [*command, "--", *worker])
+
+
+def start_nvrx_node(job: Job, store_port: int, worker: list[str], max_restarts: int = 3) -> None:
+    """One ft_launcher agent as the next node of `job`; the first one hosts the c10d store."""
+    node = len(job.agents)
+    command = torchrun_command(node, store_port, job.rdzv_id, TORCHRUN_TUNED_CONF, job.log_dir(node), worker)
+    assert command[1:3] == ["-m", "torch.distributed.run"]  # torchrun's flags, then `--` and the script
+    script = command.index("--")
+    flags = command[3:script]
+    flags[flags.index("--max-restarts") + 1] = str(max_restarts)
+    launcher = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
+    job.start_agent(node, [*launcher, *flags, *NVRX_FLAGS, *command[script:]])
+
+
+def start_torchft(job: Job, log: Path) -> subprocess.Popen:
+    """The Lighthouse (returned: it is not a node) and one torchrun per replica group."""
+    lighthouse, port = start_lighthouse(job)
     for group in range(NODES):
-        environment = ["LOGLEVEL=INFO", f"REPLICA_GROUP_ID={group}", f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:{port}"]
-        command = ["env", *environment, sys.executable, "-m", "torch.distributed.run", *TORCHFT_TORCHRUN_FLAGS]
-        job.start_agent(group, [*command, "--", *worker_args("torchft", log, job.workdir)])
+        start_torchft_group(job, group, port, worker_args("torchft", log, job.workdir))
         time.sleep(0.5)
     return lighthouse
 
 
 def start_nvrx(job: Job, log: Path) -> None:
     port = free_port()
-    for node in range(NODES):
-        command = torchrun_command(
-            node, port, job.rdzv_id, TORCHRUN_TUNED_CONF, job.log_dir(node), worker_args("nvrx", log, job.workdir)
-        )
-        assert command[1:3] == ["-m", "torch.distributed.run"]  # torchrun's flags, then `--` and the script
-        script = command.index("--")
-        launcher = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
-        command = [*launcher, *command[3:script], *NVRX_FLAGS, *command[script:]]
-        job.start_agent(node, command)
+    for _ in range(NODES):
+        start_nvrx_node(job, port, worker_args("nvrx", log, job.workdir))
         time.sleep(0.5)  # join in order: node 0 hosts the c10d store, the faulted node is the last
 
 

@@ -113,6 +113,16 @@ BENCHMARKS = [
         "tuned for fast detection (settings printed below); needs the optional extra: pip install -e '.[peers]' "
         "(with torch==2.13.0 on the same command line)",
     ),
+    Benchmark(
+        "peer-chaos",
+        ["bench/chaos_bench.py", "--systems", "elastic-run,torchft,nvrx", "--deadline", "400"],
+        1500,
+        "the chaos section's stream of faults (one every 15 s, cycling kill, stop, crash, hang, term; a gone node "
+        "replaced 5 s later) against elastic-run (the chaos section's job) and bench/peer_bench.py's torchft and "
+        "ft_launcher jobs (3 nodes x 2 ranks, the tiny GPT unpaced, 1600 and 4400 steps: about as long fault-free "
+        "as elastic-run's 400), each next to its own fault-free run, at most 400 s per run; ft_launcher's node 0 "
+        "(the c10d store) is never faulted; needs the [peers] extra",
+    ),
 ]
 
 
