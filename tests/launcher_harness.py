@@ -118,7 +118,25 @@ class Cluster:
         return agent
 
     def probe(self, steps: int = 400, step_time: float = 0.1, *more: str) -> list[str]:
-        return ["--steps", str(steps), "--step-time", str(step_time), "--log", str(self.probe_log), *more]
+        return [
+            "--steps",
+            str(steps),
+            "--step-time",
+            str(step_time),
+            "--log",
+            str(self.probe_log),
+            "--stop-file",
+            str(self.stop_file),
+            *more,
+        ]
+
+    @property
+    def stop_file(self) -> Path:
+        return self.root / "stop-training"
+
+    def stop_training(self) -> None:
+        """The probes end together after their next collective: the test has seen what it waited for."""
+        self.stop_file.touch()
 
     def collectives(self) -> list[dict]:
         if not self.probe_log.is_file():

@@ -33,6 +33,7 @@ def test_a_node_stopped_past_its_lease_drops_its_old_workers_at_once_and_rejoins
     assert stale_s < 2.5, "stale workers must go within about a second of the resume"
 
     back = cluster.wait_for_world(3, timeout=60, after=time.time())  # it rejoined and a scale-up round took it back
+    cluster.stop_training()
     own = [line for line in stopped.text().splitlines() if "WARNING" in line or "ERROR" in line or "joined" in line]
     print(
         f"\nSIGSTOP node c past its lease: the others' first collective at world 2 {smaller['time'] - stopped_at:.1f}s "
@@ -56,6 +57,8 @@ def test_workers_are_fenced_when_etcd_is_gone_for_most_of_the_lease_and_the_job_
     finally:
         etcd.process.send_signal(signal.SIGCONT)
     assert "killing the workers before the job moves on without them" in agent.text()
+    cluster.wait_for(lambda: len(cluster.events("round_started")) >= 2, 30, "the node to rejoin in a new round")
+    cluster.stop_training()
     assert agent.wait(timeout=90) == 0, cluster.dump()
     rounds = cluster.events("round_started")
     assert len(rounds) >= 2 and rounds[-1]["members"][0]["node"] == "solo"
@@ -93,6 +96,7 @@ def test_a_node_paused_past_the_probe_timeout_while_a_peer_fails_is_fenced_and_r
     assert lost[0]["time"] - crashed_at < 4, "before the lease could have ended"
     cluster.wait_for(lambda: not any(pid_alive(p) for p in old_workers), 10, "the paused node's old workers to go")
     cluster.wait_for_world(3, timeout=60, after=time.time())  # it rejoined; a scale-up round took it back
+    cluster.stop_training()
     rejoined = [e for e in cluster.events("node_joined") if e["node"] == victim.node_id]
     assert len(rejoined) == 2, "it came back as a newcomer"
     for agent in agents:

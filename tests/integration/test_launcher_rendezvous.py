@@ -88,7 +88,7 @@ def test_revoked_lease_reregisters_under_the_same_node_id_in_a_new_round(cluster
             60,
             "a collective of the new round",
         )
-
+        cluster.stop_training()
         for agent in agents.values():
             assert agent.wait(timeout=90) == 0, cluster.dump()
         header = RoundHeader.loads(client.get(KEYS.round)[0])
@@ -371,6 +371,7 @@ def test_a_spare_that_leaves_leaves_no_notice_behind(cluster):
         cluster.wait_for(lambda: not keys_under(client, KEYS.left_prefix), 10, "the leave notice to be forgotten")
         assert member.process.poll() is None, "the job is still running"
         assert node_record(client, "b") is None
+        cluster.stop_training()
         assert member.wait(timeout=60) == 0, cluster.dump()
         assert not keys_under(client, KEYS.left_prefix)
 

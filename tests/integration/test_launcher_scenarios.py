@@ -122,6 +122,7 @@ def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
     os.kill(victim.pid, signal.SIGKILL)
     cluster.wait_for(lambda: not any(pid_alive(p) for p in victim_workers), 10, "the dead node's workers to die")
     again = cluster.wait_for_world(4, timeout=60, after=killed_at)
+    cluster.stop_training()
     for agent in agents.values():
         assert agent.wait(timeout=90) == 0, cluster.dump()
 
@@ -169,6 +170,7 @@ def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster):
     for pid in hung:  # a hung host: its agent and its workers stop answering, survivors block in all_reduce
         os.kill(pid, signal.SIGSTOP)
     again = cluster.wait_for_world(4, timeout=60, after=stopped_at)
+    cluster.stop_training()
     for agent in agents.values():
         assert agent.wait(timeout=90) == 0, cluster.dump()
 

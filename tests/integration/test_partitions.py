@@ -304,6 +304,7 @@ def _cut_and_heal(make_network, tmp_path, case: str, cut, heal, choose) -> None:
     heal(net, victim)
     back = job.wait_for_world(3, timeout=60, after=heal_at)
     rejoined_s = back["time"] - heal_at
+    job.stop_training()
     rcs = job.wait_exit(timeout=90)
     events = job.membership()
     victim_lines = [
@@ -558,6 +559,7 @@ def test_node_cut_from_one_peer_is_quarantined(make_network, tmp_path, how):
     except AssertionError:
         pass
     recovered = job.first_collective(2, cut_at)
+    job.stop_training()
     rcs = job.wait_exit(timeout=60 if recovered else 5)
     events = job.membership()
     quarantined = [e["node"] for e in events if e["event"] == "node_quarantined"]
