@@ -237,7 +237,7 @@ class CheckpointManager:
             logger.warning("%s is already committed; not saving step %d again", step_dir(self.directory, step), step)
             return
         if in_background:
-            self._in_flight = self._saver.start(attempt, state_dict)
+            self._in_flight = self._saver.start(attempt, state_dict, started)
             elapsed = time.monotonic() - started
             logger.info("staged step %d in %.2fs; writing %s in the background", step, elapsed, attempt.folder)
             return

@@ -3,7 +3,6 @@ manager's life (it reuses its CPU copies, so staging after the first save is a m
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -59,11 +58,11 @@ class AttemptSaver:
         )
         return writer.metadata_sha256
 
-    def start(self, attempt: Attempt, state_dict: dict[str, Any]) -> SaveInFlight:
+    def start(self, attempt: Attempt, state_dict: dict[str, Any], started: float) -> SaveInFlight:
         """Stage ``state_dict`` and write it in the background; rank 0 commits as soon as every rank's data and
-        DCP's metadata are on disk, so the checkpoint is committed even if training never waits for it."""
+        DCP's metadata are on disk, so the checkpoint is committed even if training never waits for it. ``started``:
+        when the save began (time.monotonic()), for the log of its commit."""
         assert self._stager is not None, "background saves need the stager of an in_background saver"
-        started = time.monotonic()
         writer = CheckpointWriter(attempt.folder)
         upload = dcp.async_save(
             state_dict,
