@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -192,21 +193,14 @@ class ElasticRun:
         pass
 
 
-class Torchft:
-    name = "torchft"
+class PeerJob:
+    """What bench/peer_bench.py's jobs share: bench/peer_worker.py's step log, its workers under their launcher."""
+
+    name: str
     spared: frozenset[int] = frozenset()
-    batch_follows_world = True  # each replica group keeps its share: the missing groups' samples are not trained
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.steps = args.steps_torchft
-        self.lighthouse: subprocess.Popen | None = None
-        self.port = 0
-
-    def start(self, job: Job) -> None:
-        self.lighthouse, self.port = start_lighthouse(job)
-
-    def start_node(self, job: Job, slot: int) -> None:
-        start_torchft_group(job, slot, self.port, worker_args("torchft", self.log(job), job.workdir, self.steps))
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
 
     def workers(self, agent_pid: int) -> list[int]:
         return workers_of(agent_pid)
@@ -218,19 +212,37 @@ class Torchft:
         return job.workdir / "steps.jsonl"
 
     def close(self) -> None:
+        pass
+
+
+class Torchft(PeerJob):
+    name = "torchft"
+    batch_follows_world = True  # each replica group keeps its share: the missing groups' samples are not trained
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args.steps_torchft)
+        self.lighthouse: subprocess.Popen | None = None
+        self.port = 0
+
+    def start(self, job: Job) -> None:
+        self.lighthouse, self.port = start_lighthouse(job)
+
+    def start_node(self, job: Job, slot: int) -> None:
+        start_torchft_group(job, slot, self.port, worker_args("torchft", self.log(job), job.workdir, self.steps))
+
+    def close(self) -> None:
         if self.lighthouse is not None:
             self.lighthouse.kill()
             self.lighthouse.wait()
 
 
-class Nvrx(Torchft):
+class Nvrx(PeerJob):
     name = "nvrx"
     spared = frozenset({0})  # it hosts the c10d store: its loss ends the job
     batch_follows_world = False
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.steps = args.steps_nvrx
-        self.lighthouse = None
+        super().__init__(args.steps_nvrx)
         self.port = 0
 
     def start(self, job: Job) -> None:
@@ -264,15 +276,19 @@ class Run:
         peer's process left behind (a torchft group with a stopped worker) may linger after the job, and a
         replacement started then finds no quorum and trains a model of its own from step 1."""
         records = self.system.records(self.job)
-        done = [r["time"] for r in records if r["step"] >= self.system.steps and r.get("committed", True)]
-        return [r for r in records if r.get("started", 0.0) <= min(done)] if done else records
+        done_at = self._last_step_committed_at(records)
+        return records if done_at is None else [r for r in records if r.get("started", 0.0) <= done_at]
 
     def finished(self) -> bool:
         """Whether the last step was committed (read at most once a second: the peers' logs grow long)."""
         if not self._finished and time.monotonic() - self._checked_at >= 1.0:
             self._checked_at = time.monotonic()
-            self._finished = any(r["step"] >= self.system.steps for r in self.records())
+            self._finished = self._last_step_committed_at(self.system.records(self.job)) is not None
         return self._finished
+
+    def _last_step_committed_at(self, records: list[dict]) -> float | None:
+        done = [r["time"] for r in records if r["step"] >= self.system.steps and r.get("committed", True)]
+        return min(done, default=None)
 
 
 def run_job(system: System, workdir: Path, args: argparse.Namespace, chaos: bool) -> Run:
@@ -508,7 +524,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_system(name: str, args: argparse.Namespace) -> System:
-    systems: dict[str, type[ElasticRun] | type[Torchft]] = {"elastic-run": ElasticRun, "torchft": Torchft, "nvrx": Nvrx}
+    systems: dict[str, Callable[[argparse.Namespace], System]] = {
+        "elastic-run": ElasticRun,
+        "torchft": Torchft,
+        "nvrx": Nvrx,
+    }
     return systems[name](args)
 
 

@@ -191,13 +191,12 @@ def start_torchft_group(job: Job, group: int, lighthouse_port: int, worker: list
 def start_nvrx_node(job: Job, store_port: int, worker: list[str], max_restarts: int = 3) -> None:
     """One ft_launcher agent as the next node of `job`; the first one hosts the c10d store."""
     node = len(job.agents)
-    command = torchrun_command(node, store_port, job.rdzv_id, TORCHRUN_TUNED_CONF, job.log_dir(node), worker)
+    conf, log_dir = TORCHRUN_TUNED_CONF, job.log_dir(node)
+    command = torchrun_command(node, store_port, job.rdzv_id, conf, log_dir, worker, max_restarts)
     assert command[1:3] == ["-m", "torch.distributed.run"]  # torchrun's flags, then `--` and the script
     script = command.index("--")
-    flags = command[3:script]
-    flags[flags.index("--max-restarts") + 1] = str(max_restarts)
     launcher = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
-    job.start_agent(node, [*launcher, *flags, *NVRX_FLAGS, *command[script:]])
+    job.start_agent(node, [*launcher, *command[3:script], *NVRX_FLAGS, *command[script:]])
 
 
 def start_torchft(job: Job, log: Path) -> subprocess.Popen:

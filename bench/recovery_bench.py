@@ -348,7 +348,9 @@ def elastic_run_command(
     ]
 
 
-def torchrun_command(node: int, port: int, rdzv_id: str, conf: str, log_dir: Path, probe_args: list[str]) -> list[str]:
+def torchrun_command(
+    node: int, port: int, rdzv_id: str, conf: str, log_dir: Path, probe_args: list[str], max_restarts: int = 3
+) -> list[str]:
     # Every agent runs on 127.0.0.1, so each would guess it hosts the store: say explicitly that node 0 does.
     rdzv_conf = ",".join(filter(None, [conf, f"is_host={'true' if node == 0 else 'false'}"]))
     return [
@@ -368,7 +370,7 @@ def torchrun_command(node: int, port: int, rdzv_id: str, conf: str, log_dir: Pat
         "--rdzv-conf",
         rdzv_conf,
         "--max-restarts",
-        "3",
+        str(max_restarts),
         "--log-dir",
         str(log_dir),
         # torchrun's parser accepts abbreviations and rejects the probe's --log as ambiguous (--log-dir,
