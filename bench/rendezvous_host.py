@@ -136,9 +136,10 @@ class NoopWorkerGroup:
 
     def __init__(self, host: HostState, config, round_, member, master, startups=None, warm=None) -> None:
         self.round, self.member, self.master = round_, member, master
+        self.started_inprocess = 0
         host.note("workers", round_.round, time.time())
 
-    def start(self) -> None:
+    def start(self, previous=None) -> None:
         pass
 
     def poll(self):
@@ -177,8 +178,8 @@ class BenchAgent(Agent):
                 return
             host.note("registered", None, time.time())
 
-        def timed_acknowledge(round_: int, round_revision: int, node: str, pid: int) -> bool:
-            committed = acknowledge(round_, round_revision, node, pid)
+        def timed_acknowledge(round_: int, round_revision: int, node: str, pid: int, *counts: int) -> bool:
+            committed = acknowledge(round_, round_revision, node, pid, *counts)
             if committed:
                 host.note("acked", round_, time.time())
             return committed

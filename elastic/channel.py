@@ -47,6 +47,7 @@ Layout (little-endian, `SIZE` bytes; the writer bumps `seq` to odd before a chan
 | 936    | drain_done   | u64       | the last drain this worker committed a checkpoint for                 |
 | 944    | drain_step   | i64       | that checkpoint's step                                                |
 | 952    | drainable    | u32       | 1 once a `CheckpointManager` that answers drains runs in this worker  |
+| 956    | inprocess    | u32       | 1 once the worker runs under `elastic.run`: it takes new rounds in process |
 
 The channel also carries drains (the worker's side is `elastic.checkpoint.drain`, the agent's
 `launcher.node.round_workers`): before a planned change (a node joining, an agent told to stop) the agent writes a
@@ -68,6 +69,7 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 HEARTBEAT_ENV = "ELASTIC_HEARTBEAT_FILE"
@@ -92,9 +94,9 @@ _OP = struct.Struct("<dd48s")  # op_timeout, op_started, op_name at offset 64
 _RING = struct.Struct(f"<{WINDOW}d")
 _SNAPSHOT = struct.Struct(f"<4sIIiQQqdI4xQdd48s{WINDOW}d")
 OFF_PID, OFF_SEQ, OFF_BEAT, OFF_DEPTH, OFF_RING_TOTAL, OFF_OP, OFF_RING = 8, 16, 24, 48, 56, 64, 128
-OFF_DRAIN_REQUEST, OFF_DRAIN_DONE, OFF_DRAINABLE = 928, 936, 952
+OFF_DRAIN_REQUEST, OFF_DRAIN_DONE, OFF_DRAINABLE, OFF_INPROCESS = 928, 936, 952, 956
 _DRAIN_DONE = struct.Struct("<Qq")  # drain_done, drain_step
-assert _SNAPSHOT.size == OFF_RING + _RING.size == OFF_DRAIN_REQUEST and OFF_DRAINABLE + _U32.size <= SIZE
+assert _SNAPSHOT.size == OFF_RING + _RING.size == OFF_DRAIN_REQUEST and OFF_INPROCESS + _U32.size <= SIZE
 
 
 def create_channel(path: os.PathLike | str) -> None:
@@ -129,6 +131,16 @@ class DrainState:
     drainable: bool
     done: int
     step: int | None
+
+
+def read_owner(view) -> int:
+    """The pid of the worker that opened the channel (0: none yet)."""
+    return _PID_SIGNAL.unpack_from(view, OFF_PID)[0]
+
+
+def read_inprocess(view) -> bool:
+    """Whether the worker takes new rounds in process (it runs under `elastic.run`)."""
+    return bool(_U32.unpack_from(view, OFF_INPROCESS)[0])
 
 
 def read_drain(view) -> DrainState:
@@ -293,11 +305,17 @@ class Channel:
             self._write_ops(started=False)
 
     def drain_requested(self) -> int:
+        if self._pid == -1:
+            return 0  # given up for a new round's channel: that one carries the drains now
         return _U64.unpack_from(self._view, OFF_DRAIN_REQUEST)[0]
 
     def set_drainable(self) -> None:
         if os.getpid() == self._pid:
             _U32.pack_into(self._view, OFF_DRAINABLE, 1)
+
+    def set_inprocess(self) -> None:
+        if os.getpid() == self._pid:
+            _U32.pack_into(self._view, OFF_INPROCESS, 1)
 
     def report_drained(self, number: int, step: int) -> None:
         if os.getpid() == self._pid:
@@ -335,6 +353,9 @@ class _Disabled:
     def set_drainable(self) -> None:
         pass
 
+    def set_inprocess(self) -> None:
+        pass
+
     def report_drained(self, number: int, step: int) -> None:
         pass
 
@@ -342,6 +363,8 @@ class _Disabled:
 _DISABLED = _Disabled()
 _channel: Channel | _Disabled | None = None  # None: not looked up yet
 _open_lock = threading.Lock()
+# set by `elastic.rounds.run`: raises `RoundChanged` at the step boundary once the agent offered a new round
+round_check: Callable[[], None] | None = None
 
 
 def open_channel(path: str | None, clock=time.monotonic, install_hooks: bool = True) -> Channel | _Disabled:
@@ -392,15 +415,28 @@ def _current() -> Channel | _Disabled:
         return _channel
 
 
+def reopen() -> Channel | _Disabled:
+    """Give up this worker's channel and own the one `ELASTIC_HEARTBEAT_FILE` names now (a new round's)."""
+    global _channel
+    with _open_lock:
+        if isinstance(_channel, Channel):
+            _channel.close()
+        _channel = open_channel(os.environ.get(HEARTBEAT_ENV))
+        return _channel
+
+
 def heartbeat(step: int | None = None) -> None:
     """This worker made progress (call once per training step); `step` shows in the log if it is found hung.
 
-    A no-op outside elastic-run and in a forked child; unjudged with `--watchdog-timeout off`.
+    A no-op outside elastic-run and in a forked child; unjudged with `--watchdog-timeout off`. Under
+    `elastic.run`, it raises `elastic.RoundChanged` once the agent has handed this worker a new round.
     """
     channel = _channel
     if channel is None:
         channel = _current()
     channel.beat(step)
+    if round_check is not None:
+        round_check()
 
 
 def drain_channel() -> Channel | _Disabled:

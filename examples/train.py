@@ -37,6 +37,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 try:
+    import elastic
     from elastic import heartbeat, long_operation
     from elastic.checkpoint import CheckpointManager, ModelState
     from elastic.devices import BackendChoice, DeviceChoice, PlacementError, placement_here
@@ -304,7 +305,8 @@ def main(config: TrainConfig) -> None:
     grouped = time.perf_counter()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     round_number = int(os.environ.get("ELASTIC_ROUND", "0"))
-    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    # force: under elastic.run a later round re-enters main in the same process, at another rank
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
 
     dataset = CharWindows(generate_corpus(config.corpus_chars), config.seq_len)
     torch.manual_seed(config.seed)  # the same initial weights on every rank, before sharding
@@ -374,6 +376,7 @@ def main(config: TrainConfig) -> None:
                 "rank": rank,
                 "world_size": world_size,
                 "round": round_number,
+                "pid": os.getpid(),  # the same process across rounds it re-entered in process (elastic.run)
                 "samples": samples,
                 "loss": loss,
                 "lr": lr,
@@ -412,4 +415,5 @@ def finish(manager: CheckpointManager | None) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_config(sys.argv[1:]))
+    # under elastic-run, a new round that keeps this worker's node calls main again in this process
+    elastic.run(main, parse_config(sys.argv[1:]))

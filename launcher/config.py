@@ -263,6 +263,10 @@ class LaunchConfig(BaseModel):
     warm_workers: bool = (
         True  # pre-started interpreters, torch imported (launcher.workers.warm_pool); not with -m/--no-python
     )
+    inprocess: bool = True  # workers under elastic.run take a new round in process (elastic.rounds)
+    inprocess_timeout: float = Field(
+        10.0, gt=0, description="how long a worker handed a new round in process has to re-enter it"
+    )
 
     @model_validator(mode="after")
     def _check_consistency(self) -> LaunchConfig:

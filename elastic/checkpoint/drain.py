@@ -6,7 +6,8 @@ at its own moment, so `Drains.requested` is a collective: every rank calls it at
 what `CheckpointManager.should_save` does) and they agree on the largest number any of them saw, over a gloo
 group of their own (one tiny all_reduce per step). Once that save committed, each rank reports the number
 back and waits at the step boundary, inside an unlimited long operation, until the agent withdraws the request
-(the change did not happen) or stops it for the next round, which loads that checkpoint.
+(the change did not happen) or stops it for the next round, which loads that checkpoint (under `elastic.run`,
+the next round's offer ends the wait with `RoundChanged`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from elastic import channel
 from elastic.channel import drain_channel, long_operation
 
 logger = logging.getLogger(__name__)
@@ -52,5 +54,7 @@ class Drains:
         waited = time.monotonic()
         with long_operation("drained: waiting for the next round", timeout=math.inf):
             while self._channel.drain_requested() == number:
+                if channel.round_check is not None:
+                    channel.round_check()  # under elastic.run, the next round comes in process
                 time.sleep(_WITHDRAWN_POLL_S)
         logger.info("drain withdrawn after %.1fs: training on", time.monotonic() - waited)

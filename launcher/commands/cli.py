@@ -129,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
         "with torch imported, which saves seconds at every restart (never with -m or --no-python)",
     )
     add(
+        "--no-inprocess",
+        dest="no_inprocess",
+        action="store_true",
+        help="stop and start every worker at each new round; by default a worker whose script runs under "
+        "elastic.run takes a new round that includes its node in process, without restarting",
+    )
+    add(
+        "--inprocess-timeout",
+        dest="inprocess_timeout",
+        type=float,
+        default=_default("inprocess_timeout"),
+        help="seconds a worker handed a new round in process has to re-enter it before it is replaced by a new "
+        "process (default %(default)s)",
+    )
+    add(
         "--log-dir",
         dest="log_dir",
         default=_default("log_dir"),
@@ -316,6 +331,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         module=args.module,
         no_python=args.no_python,
         warm_workers=not args.no_warm_workers,
+        inprocess=not args.no_inprocess,
+        inprocess_timeout=args.inprocess_timeout,
         watchdog_timeout=watchdog_timeout,
         drain_timeout=args.drain_timeout,
         **watchdog,

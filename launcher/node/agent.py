@@ -178,7 +178,7 @@ class Agent:
                 ),
                 join_timeout=self.config.rdzv.join_timeout,
                 fence_pending=self._fence_pending,
-                workers_running=self.workers.running,
+                workers_running=self.workers.alive,
                 status=view.status,
             )
             match action:
@@ -247,8 +247,11 @@ class Agent:
                 run.refill_warm_at = None
                 self.warm.fill()
             case rules.Acknowledge():
-                assert run is not None, "acknowledged only within a round"
-                self.store.acknowledge(run.round, run.revision, self.node_id, os.getpid())
+                assert run is not None and run.member is not None, "acknowledged only by a member of a round"
+                inprocess = self.workers.group.started_inprocess
+                self.store.acknowledge(
+                    run.round, run.revision, self.node_id, os.getpid(), inprocess, run.member.nproc - inprocess
+                )
                 run.acknowledged = True
             case rules.Report(outcome=outcome):
                 assert run is not None, "reported only within a round"
@@ -301,9 +304,10 @@ class Agent:
     # -- rounds ----------------------------------------------------------------------------------------------
     def enter_round(self, header: RoundHeader, revision: int) -> None:
         member = self.store.read_member(header, self.node_id, self.me.record.lease)
-        if self.run_ is not None and self.workers.running:
-            logger.info("round %d (%s): stopping the workers of round %d", header.round, header.reason, self.run_.round)
-        self.workers.stop()
+        if member is None:
+            self.workers.stop()
+        else:
+            self.workers.retire()  # with --inprocess, its workers under elastic.run take the new round in process
         phase = Phase.STARTING if member is not None else Phase.SPARE
         self.run_ = RoundRun(header=header, revision=revision, member=member, phase=phase)
         self._reporter = RoundReporter(self.store, self.node_id, header.round, revision, self._writer)

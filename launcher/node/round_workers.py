@@ -38,10 +38,27 @@ class RoundWorkers:
         self.warm = warm
         self.startups = StartupHistory()  # how long our workers take to their first heartbeat, over rounds
         self.group: Any = None
+        # the last round's group, kept between rounds with --inprocess: its workers under elastic.run take the
+        # next round in process; the rest are stopped when the next round's workers start
+        self.retired: Any = None
 
     @property
     def running(self) -> bool:
         return self.group is not None
+
+    @property
+    def alive(self) -> bool:
+        """Whether this node holds workers, of this round or kept for the next one."""
+        return self.group is not None or self.retired is not None
+
+    def retire(self) -> None:
+        """A new round includes this node: keep the workers that can take it in process, stop the rest then."""
+        if not self.config.inprocess:
+            self.stop()
+            return
+        if self.group is not None:
+            self.stop_retired()
+            self.retired, self.group = self.group, None
 
     def reporting_hang(self) -> bool:
         """Our watchdog is killing a hung worker: the roll call is answered with that failure, not before it."""
@@ -59,7 +76,8 @@ class RoundWorkers:
             if not self.store.publish_master(run.round, run.revision, master):
                 return  # the round moved on; the next step enters the new one
         self.group = self.factory(self.config, run.header, member, master, self.startups, self.warm)
-        self.group.start()
+        self.group.start(self.retired)
+        self.retired = None
         run.phase = Phase.RUNNING
         run.refill_warm_at = rules.refill_warm_at(time.monotonic(), self.startups.longest) if self.warm else None
 
@@ -86,7 +104,11 @@ class RoundWorkers:
                     failure.rank,
                     failure.exit_code,
                 )
-            self.stop()  # peers of a failed worker usually hang in their next collective
+            if self.config.inprocess:  # workers under elastic.run wait for the next round; the rest stop
+                self.group.stop_all_but_reentrant()
+                self.retired, self.group = self.group, None
+            else:
+                self.stop()  # peers of a failed worker usually hang in their next collective
             run.outcome = NodeFailure(node=self.node_id, round=run.round, failures=failures)
         else:
             run.outcome = rules.WorkersSucceeded()
@@ -153,6 +175,12 @@ class RoundWorkers:
         )
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
+        self.stop_retired(signum)
         if self.group is not None:
             self.group.stop(signum)
             self.group = None
+
+    def stop_retired(self, signum: int = signal.SIGTERM) -> None:
+        if self.retired is not None:
+            self.retired.stop(signum)
+            self.retired = None

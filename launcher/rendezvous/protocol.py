@@ -446,9 +446,18 @@ class JobStore:
         key = self.keys.master(round_)
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, master.dumps())], key)
 
-    def acknowledge(self, round_: int, round_revision: int, node: str, pid: int) -> bool:
+    def acknowledge(
+        self, round_: int, round_revision: int, node: str, pid: int, inprocess: int = 0, fresh: int = 0
+    ) -> bool:
+        """This node started its workers in the round. When `inprocess` of them were handed it in process
+        (elastic.run) and `fresh` started as new processes, a workers_started event says so (a round where every
+        worker starts anew writes none: thousands of nodes would fill the log with them)."""
         key = self.keys.report(round_, ReportKind.ACK, node)
-        return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, str(pid))], key)
+        writes = [self._tx.put(key, str(pid))]
+        if inprocess:
+            event = new_event("workers_started", round=round_, node=node, inprocess=inprocess, fresh=fresh)
+            writes.append(self._event(event, node)[1])
+        return self._commit([self._round_unchanged(round_revision)], writes, key)
 
     def report_done(self, round_: int, round_revision: int, node: str) -> bool:
         key = self.keys.report(round_, ReportKind.DONE, node)

@@ -320,6 +320,7 @@ EventName = Literal[
     "node_left",
     "node_lost",
     "round_started",
+    "workers_started",
     "worker_failed",
     "worker_hung",
     "workers_stalled",
@@ -359,6 +360,9 @@ class MembershipEvent(BaseModel):
     last_step: int | None = None  # worker_hung, workers_stalled: the last step reported
     # drain_committed: the step the workers checkpointed before the change; training_progress: the newest step
     step: int | None = None
+    # workers_started: this node's workers handed the round in process (elastic.run), and those started anew
+    inprocess: int | None = None
+    fresh: int | None = None
     revision: int | None = None  # etcd revision: the order of the log, filled in when read back
 
     def dumps(self) -> str:

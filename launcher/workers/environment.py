@@ -8,6 +8,7 @@ from pathlib import Path
 
 from elastic.channel import HEARTBEAT_ENV
 from elastic.node_memory import MEMORY_DIR_ENV, node_memory_dir
+from elastic.rounds import ROUND_WAIT_ENV
 from launcher.config import LaunchConfig
 from launcher.rendezvous.records import MasterRecord, Member, RoundHeader
 from launcher.workers.network import gloo_interface_env
@@ -29,7 +30,8 @@ def node_worker_env(addr: str, nproc: int) -> dict[str, str]:
 def worker_env(
     config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord, local_rank: int, error_file: Path
 ) -> dict[str, str]:
-    """The variables torchrun sets for a worker, plus ELASTIC_ROUND, ELASTIC_HEARTBEAT_FILE and ELASTIC_MEMORY_DIR."""
+    """The variables torchrun sets for a worker, plus ELASTIC_ROUND, ELASTIC_HEARTBEAT_FILE, ELASTIC_MEMORY_DIR and
+    ELASTIC_ROUND_WAIT."""
     rank = member.first_rank + local_rank
     env = node_worker_env(member.addr, member.nproc)
     env.update(
@@ -59,4 +61,7 @@ def worker_env(
     env[HEARTBEAT_ENV] = str(error_file.parent / HEARTBEAT_FILE)
     # where CheckpointManager(memory_every=...) keeps snapshots; the agent holds the folder for the job's life
     env[MEMORY_DIR_ENV] = str(node_memory_dir(config.rdzv_id, member.node))
+    # under elastic.run, how long a worker whose collective failed waits for the round that replaces the lost
+    # peer: the peer's lease must expire first, then the round is handed over
+    env[ROUND_WAIT_ENV] = f"{config.rdzv.lease_ttl + config.inprocess_timeout:g}"
     return env

@@ -9,15 +9,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from launcher.config import LaunchConfig
 from launcher.rendezvous.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
 from launcher.workers import failure_evidence
+from elastic.rounds import ROUND_FD_ENV
 from launcher.workers.environment import ERROR_FILE, HEARTBEAT_FILE, node_worker_env, worker_env
 from launcher.workers.output import STREAMS, StreamRoute, WorkerOutput
 from launcher.workers.process_tree import stop_group, supervised_command
+from launcher.workers.round_link import RoundLink
 from launcher.workers.stack_dumps import read_dump
 from launcher.workers.warm_pool import WarmPool, WarmWorker
 from launcher.workers.watchdog import Watchdog
@@ -67,6 +70,7 @@ class WorkerGroup:
     ) -> None:
         self.config = config
         self.warm = warm
+        self.started_inprocess = 0  # how many of the workers were handed this round in process
         self.started_warm = 0  # how many of the workers started in a warm interpreter
         self.started_importing = 0  # of those, how many had not finished importing torch yet
         self.round = round_
@@ -76,6 +80,10 @@ class WorkerGroup:
         self.attempt_dir = config.log_dir / config.node_id / f"attempt_{round_.round}"
         self.processes: list[subprocess.Popen] = []
         self.output = WorkerOutput(config, self.attempt_dir, member.first_rank)
+        self.round_links: dict[int, RoundLink] = {}  # local rank -> its worker's round socket (with --inprocess)
+        # local ranks handed this round in process, until the worker opens this round's channel: by when it must
+        self.reentering: dict[int, float] = {}
+        self._handed_over: set[int] = set()  # local ranks whose worker the next round took over
         self._exited_at: dict[int, float] = {}
         # workers that wrote their error file (torch's @record: an uncaught exception) but have not exited yet:
         # their interpreter's teardown takes 0.4-0.8 s with torch loaded, and a peer waiting on them fails only
@@ -88,32 +96,18 @@ class WorkerGroup:
             startups=startups,
         )
 
-    def start(self) -> None:
-        # each worker runs under a supervisor: its whole tree dies with the agent (even SIGKILLed) or with it
-        node_env = node_worker_env(self.member.addr, self.member.nproc)
+    def start(self, previous: WorkerGroup | None = None) -> None:
+        """Start the round's workers: each local rank takes the worker `previous` hands over in process (it runs
+        under `elastic.run`), else a warm interpreter, else a new one. What `previous` keeps is stopped."""
         for local_rank in range(self.member.nproc):
-            directory = self.attempt_dir / str(local_rank)
-            directory.mkdir(parents=True, exist_ok=True)
-            error_file = directory / ERROR_FILE
-            error_file.unlink(missing_ok=True)
-            env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
-            routes = {name: self.output.route(directory, local_rank, name) for name in STREAMS}
-            warm = self.warm.take(local_rank, node_env) if self.warm is not None else None
-            importing = warm is not None and warm.still_importing()
-            if warm is not None and self._launch_warm(warm, env, routes):
-                process = warm.process
-                self.started_warm += 1
-                self.started_importing += importing
-            else:
-                process = self._launch_cold(env, routes)
-            for route in routes.values():
-                if route.log_file is not None and route.target is not subprocess.PIPE:
-                    route.log_file.close()  # the child holds its own descriptor
-            self.processes.append(process)
+            self.processes.append(self._launch(local_rank, previous))
+        if previous is not None:
+            previous.release()
         logger.info(
-            "round %d: started %d worker(s) (%d warm%s), ranks %d-%d of %d, logs in %s",
+            "round %d: started %d worker(s) (%d re-entering in process, %d warm%s), ranks %d-%d of %d, logs in %s",
             self.round.round,
             self.member.nproc,
+            self.started_inprocess,
             self.started_warm,
             f", {self.started_importing} still importing" if self.started_importing else "",
             self.member.first_rank,
@@ -122,7 +116,45 @@ class WorkerGroup:
             self.attempt_dir,
         )
 
-    def _launch_cold(self, env: dict[str, str], routes: dict[str, StreamRoute]) -> subprocess.Popen:
+    def _launch(self, local_rank: int, previous: WorkerGroup | None) -> subprocess.Popen:
+        directory = self.attempt_dir / str(local_rank)
+        directory.mkdir(parents=True, exist_ok=True)
+        error_file = directory / ERROR_FILE
+        error_file.unlink(missing_ok=True)
+        env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
+        routes = {name: self.output.route(directory, local_rank, name) for name in STREAMS}
+        handed = previous.hand_over(local_rank) if previous is not None else None
+        process = None
+        if handed is not None and self._offer(handed, env, routes):
+            process = handed.process
+            self.round_links[local_rank] = handed
+            self.reentering[local_rank] = time.monotonic() + self.config.inprocess_timeout
+            self.started_inprocess += 1
+        else:
+            link = RoundLink.pair() if self.config.inprocess else None
+            warm = self.warm.take(local_rank, node_worker_env(self.member.addr, self.member.nproc)) if self.warm else None
+            importing = warm is not None and warm.still_importing()
+            if warm is not None and self._launch_warm(warm, env, routes, link):
+                process = warm.process
+                self.started_warm += 1
+                self.started_importing += importing
+            else:
+                process = self._launch_cold(env, routes, link)
+            if link is not None:
+                link.started(process)
+                self.round_links[local_rank] = link
+        for route in routes.values():
+            if route.log_file is not None and route.target is not subprocess.PIPE:
+                route.log_file.close()  # the child holds its own descriptor
+        return process
+
+    def _launch_cold(
+        self, env: dict[str, str], routes: dict[str, StreamRoute], link: RoundLink | None
+    ) -> subprocess.Popen:
+        pass_fds = ()
+        if link is not None:
+            env = dict(env, **{ROUND_FD_ENV: str(link.worker_fd)})
+            pass_fds = (link.worker_fd,)
         process = subprocess.Popen(
             supervised_command(self.config.worker_command()),
             env=env,
@@ -130,15 +162,33 @@ class WorkerGroup:
             stdin=subprocess.DEVNULL,
             stdout=routes["stdout"].target,
             stderr=routes["stderr"].target,
+            pass_fds=pass_fds,
         )
         for name, route in routes.items():
             if route.target is subprocess.PIPE:
                 self.output.pump(getattr(process, name), route)
         return process
 
-    def _launch_warm(self, warm: WarmWorker, env: dict[str, str], routes: dict[str, StreamRoute]) -> bool:
+    def _launch_warm(
+        self, warm: WarmWorker, env: dict[str, str], routes: dict[str, StreamRoute], link: RoundLink | None
+    ) -> bool:
         """Hand the round to a warm interpreter: stdio as a cold worker's (pipes the agent pumps, log files, or
         the agent's own console), the script and its arguments as `python -u script args` would have them."""
+        fds, pumped = self._stdio(routes)
+        extra = {ROUND_FD_ENV: link.worker_fd} if link is not None else {}
+        launched = warm.launch(env, [self.config.entrypoint, *self.config.args], *fds, extra_fds=extra)
+        self._pump(pumped, launched)
+        return launched
+
+    def _offer(self, link: RoundLink, env: dict[str, str], routes: dict[str, StreamRoute]) -> bool:
+        """Hand this round to a worker of the previous round that takes rounds in process."""
+        fds, pumped = self._stdio(routes)
+        offered = link.offer(env, *fds)
+        self._pump(pumped, offered)
+        return offered
+
+    def _stdio(self, routes: dict[str, StreamRoute]) -> tuple[list[int], list[tuple[int, int, StreamRoute]]]:
+        """A worker's stdout and stderr descriptors for `routes`, and the pipes the agent pumps among them."""
         fds, pumped = [], []
         for name, route in routes.items():
             if route.target is subprocess.PIPE:
@@ -150,17 +200,19 @@ class WorkerGroup:
             else:
                 assert not isinstance(route.target, int), "subprocess.PIPE is the only descriptor number a route holds"
                 fds.append(route.target.fileno())
-        launched = warm.launch(env, [self.config.entrypoint, *self.config.args], *fds)
+        return fds, pumped
+
+    def _pump(self, pumped: list[tuple[int, int, StreamRoute]], sent: bool) -> None:
         for read_end, write_end, route in pumped:
             os.close(write_end)  # the worker holds its own copy
-            if launched:
+            if sent:
                 self.output.pump(os.fdopen(read_end, "rb"), route)
             else:
                 os.close(read_end)
-        return launched
 
     def poll(self) -> tuple[WorkerOutcome, list[WorkerFailure]]:
         """The group's outcome so far, and its failures earliest first; dumps and kills hung workers on the way."""
+        self._follow_reentries()
         self.watchdog.check(self.processes, self.member.first_rank)
         now = time.time()
         for local_rank, process in enumerate(self.processes):
@@ -183,6 +235,67 @@ class WorkerGroup:
         if len(self._exited_at) == len(self.processes):
             return WorkerOutcome.SUCCEEDED, []
         return WorkerOutcome.RUNNING, []
+
+    def _follow_reentries(self) -> None:
+        """A worker handed this round in process has until --inprocess-timeout to open the round's channel;
+        past it, it is killed and its rank starts in a new process."""
+        now = time.monotonic()
+        for local_rank, deadline in list(self.reentering.items()):
+            process = self.processes[local_rank]
+            if self.watchdog.opened(local_rank) or process.poll() is not None:
+                del self.reentering[local_rank]
+            elif now >= deadline:
+                del self.reentering[local_rank]
+                logger.warning(
+                    "round %d: worker local_rank %d did not re-enter within --inprocess-timeout %gs: replacing it "
+                    "with a new process",
+                    self.round.round,
+                    local_rank,
+                    self.config.inprocess_timeout,
+                )
+                stop_group([process], 0.0, signal.SIGKILL)
+                self.round_links.pop(local_rank).close()
+                self.watchdog.renew(local_rank)
+                self.processes[local_rank] = self._launch(local_rank, None)
+
+    def hand_over(self, local_rank: int) -> RoundLink | None:
+        """The worker of `local_rank`, for the next round to take in process: one that runs under `elastic.run`,
+        is alive, neither hung nor stopped, and still holds its round socket (None: the rank starts anew)."""
+        link = self.round_links.get(local_rank)
+        if link is None or local_rank >= len(self.processes) or self.processes[local_rank].poll() is not None:
+            return None
+        if self.watchdog.hang(local_rank) is not None or local_rank in self.watchdog.stopped(self.processes):
+            return None
+        if not (self.watchdog.inprocess(local_rank) or local_rank in self.reentering):
+            return None
+        self._handed_over.add(local_rank)
+        return self.round_links.pop(local_rank)
+
+    def release(self) -> None:
+        """The next round took over what it could: stop the other workers. The pumps of those taken over end when
+        they switch to the new round's output, in their own time."""
+        self.stop_processes([p for r, p in enumerate(self.processes) if r not in self._handed_over])
+        threading.Thread(target=self.output.close, name="output-close", daemon=True).start()
+
+    def stop_processes(self, processes: list[subprocess.Popen], signum: int = signal.SIGTERM) -> None:
+        stop_group(processes, self.config.worker_stop_timeout, signum)
+        for local_rank, process in enumerate(self.processes):
+            if process in processes and local_rank in self.round_links:
+                self.round_links.pop(local_rank).close()
+
+    def stop_all_but_reentrant(self) -> None:
+        """After a failure: stop the workers that cannot take the next round in process; the others wait for it
+        (their collectives fail, and `elastic.run` waits for the new round)."""
+        keep = {r for r in range(len(self.processes)) if self._reentrant(r)}
+        self.stop_processes([p for r, p in enumerate(self.processes) if r not in keep])
+
+    def _reentrant(self, local_rank: int) -> bool:
+        return (
+            local_rank in self.round_links
+            and self.processes[local_rank].poll() is None
+            and self.watchdog.hang(local_rank) is None
+            and (self.watchdog.inprocess(local_rank) or local_rank in self.reentering)
+        )
 
     def request_drain(self, number: int) -> None:
         """Ask the workers to checkpoint at their next step and wait there (0: withdraw the request)."""
@@ -271,5 +384,5 @@ class WorkerGroup:
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop every worker and its descendants: `signum`, then SIGKILL after the grace period."""
-        stop_group(self.processes, self.config.worker_stop_timeout, signum)
+        self.stop_processes(self.processes, signum)
         self.output.close()

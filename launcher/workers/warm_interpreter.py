@@ -4,7 +4,8 @@ The agent starts it (under the same supervisor as a cold worker) with the round-
 worker environment and one end of a SOCK_SEQPACKET socket pair in `ELASTIC_WARM_CONTROL_FD`. It imports
 torch, torch.distributed and the torch modules the script imports (`torch_imports`), writes
 to the pipe in `ELASTIC_WARM_READY_FD` to say so, and waits for one launch message: a JSON object (`env`,
-`argv`) with the worker's stdout and stderr attached as file descriptors. It then becomes
+`argv`) with the worker's stdout and stderr attached as file descriptors (and any further descriptors, each named by the
+environment variable in `fd_env`: the worker's round socket). It then becomes
 `python script.py args`: stdout/stderr on those descriptors, the round's environment, `sys.argv`,
 `sys.path[0]` the script's directory, the script run as `__main__`; its exit code and uncaught exception are
 the script's. The socket closing without a message (the agent is gone, or no round needs this interpreter)
@@ -49,8 +50,11 @@ def _set_process_name(name: bytes) -> None:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name[:15])
 
 
+MAX_LAUNCH_FDS = 8
+
+
 def _wait_for_launch(control: socket.socket) -> tuple[dict, list[int]] | None:
-    message, fds, _, _ = socket.recv_fds(control, MAX_LAUNCH_BYTES, 2)
+    message, fds, _, _ = socket.recv_fds(control, MAX_LAUNCH_BYTES, MAX_LAUNCH_FDS)
     if not message:
         return None
     return json.loads(message), fds
@@ -79,12 +83,15 @@ def main() -> None:
     control.close()
     if launch is None:
         os._exit(0)
-    order, (stdout_fd, stderr_fd) = launch
+    order, (stdout_fd, stderr_fd, *extra_fds) = launch
     for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
         os.dup2(fd, target)
         os.close(fd)
     os.environ.clear()
     os.environ.update(order["env"])
+    for name, fd in zip(order.get("fd_env", []), extra_fds):
+        os.set_inheritable(fd, True)  # as a cold worker's: the script's own subprocess may be the one to use it
+        os.environ[name] = str(fd)
     sys.argv = list(order["argv"])
     _set_process_name(own_name)
     _run_as_main(sys.argv[0])

@@ -50,11 +50,16 @@ class WarmWorker:
     control: socket.socket
     importing: int | None  # the read end of its ready pipe until it wrote to it (imports done) or exited
 
-    def launch(self, env: dict[str, str], argv: list[str], stdout_fd: int, stderr_fd: int) -> bool:
-        """Hand over the round: False if the interpreter is gone (the caller starts the rank cold)."""
-        message = json.dumps({"env": env, "argv": argv}).encode()
+    def launch(
+        self, env: dict[str, str], argv: list[str], stdout_fd: int, stderr_fd: int, extra_fds: dict[str, int] | None = None
+    ) -> bool:
+        """Hand over the round: False if the interpreter is gone (the caller starts the rank cold).
+
+        `extra_fds`: descriptors the worker also gets, each named in its environment variable of that name."""
+        extra_fds = extra_fds or {}
+        message = json.dumps({"env": env, "argv": argv, "fd_env": list(extra_fds)}).encode()
         try:
-            socket.send_fds(self.control, [message], [stdout_fd, stderr_fd])
+            socket.send_fds(self.control, [message], [stdout_fd, stderr_fd, *extra_fds.values()])
         except OSError:
             return False
         finally:

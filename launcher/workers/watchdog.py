@@ -124,6 +124,22 @@ class Watchdog:
             except OSError as exc:
                 logger.warning("could not ask worker %s for a drain: %s", worker.path.parent.name, exc)
 
+    def opened(self, local_rank: int) -> bool:
+        """Whether a worker opened the channel of `local_rank` (one handed this round in process re-entered)."""
+        worker = self.workers[local_rank]
+        return self._open(worker) and channel.read_owner(worker.view) != 0
+
+    def inprocess(self, local_rank: int) -> bool:
+        """Whether the worker of `local_rank` runs under `elastic.run`: it takes the next round in process."""
+        worker = self.workers[local_rank]
+        return self._open(worker) and channel.read_inprocess(worker.view)
+
+    def renew(self, local_rank: int) -> None:
+        """A fresh channel for a new process of `local_rank`, watched as a worker just started."""
+        path = self.workers[local_rank].path
+        channel.create_channel(path)
+        self.workers[local_rank] = _Worker(path)
+
     def latest_step(self) -> int | None:
         """The newest step any worker passed to heartbeat (None: none yet, or no channel can be read)."""
         snapshots = [channel.read(w.view) for w in self.workers if self._open(w)]

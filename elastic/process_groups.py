@@ -1,0 +1,102 @@
+"""Aborting this worker's process groups, so that a collective blocked on a peer that will never answer returns.
+
+gloo has no working abort: `ProcessGroupGloo.abort()` returns at once but leaves a pending `all_reduce` blocked
+until the peer's process exits (30 s later in a test on torch 2.13). Shutting down the group's TCP connections
+does unblock it: the collective raises ("Connection closed by peer") and `destroy_process_group()` works
+afterwards (its listening socket must stay as it is: shut down, gloo's accept loop aborts the process). Only
+the group's own connections are shut down, never the user's: the sockets that appear while
+torch builds a process group (`_new_process_group_helper`, which `init_process_group` and `new_group` both call;
+gloo connects its full mesh there) are remembered by descriptor and inode. NCCL and other backends are aborted
+with torch's own `_abort_process_group`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import stat
+import threading
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_group_sockets: set[tuple[int, int]] = set()  # (descriptor, inode) of sockets opened while a group was built
+_installed = False
+
+
+def _socket_inodes() -> dict[int, int]:
+    """This process's open socket descriptors and their inodes."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            info = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor among them)
+        if stat.S_ISSOCK(info.st_mode):
+            found[int(name)] = info.st_ino
+    return found
+
+
+def track_group_sockets() -> None:
+    """From now on, remember the sockets each new process group opens (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed or not hasattr(c10d, "_new_process_group_helper"):
+            return
+        build = c10d._new_process_group_helper
+
+        @functools.wraps(build)
+        def build_and_remember(*args, **kwargs):
+            before = _socket_inodes()
+            try:
+                return build(*args, **kwargs)
+            finally:
+                opened = {(fd, inode) for fd, inode in _socket_inodes().items() if before.get(fd) != inode}
+                with _lock:
+                    _group_sockets.update(opened)
+
+        c10d._new_process_group_helper = build_and_remember
+        _installed = True
+
+
+def abort_all() -> int:
+    """Make every collective of this process's groups return with an error; the connections shut down."""
+    with _lock:
+        sockets = list(_group_sockets)
+    shut = 0
+    for fd, inode in sockets:
+        try:
+            if os.fstat(fd).st_ino != inode:
+                continue  # the descriptor was closed and reused for something else
+            with socket.socket(fileno=os.dup(fd)) as connection:
+                # a listening socket shut down makes gloo's accept loop fail, and its thread aborts the process
+                if connection.type != socket.SOCK_STREAM or connection.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+                ):
+                    continue
+                connection.shutdown(socket.SHUT_RDWR)
+            shut += 1
+        except OSError:
+            continue  # closed already, or never connected
+    if dist.is_initialized() and dist.get_backend() != "gloo":
+        try:
+            c10d._abort_process_group()
+        except Exception as exc:  # an abort is best effort: destroying the groups comes next anyway
+            logger.debug("aborting the process groups failed: %s", exc)
+    return shut
+
+
+def destroy_all() -> None:
+    """Destroy every process group (after `abort_all`); the next round builds its own."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # the groups are broken on purpose; what is left is freed with them
+            logger.debug("destroying the aborted process groups failed: %s", exc)
+    with _lock:
+        _group_sockets.clear()

@@ -1,0 +1,198 @@
+"""In-process rounds: a membership change restarts the training function, not the worker process.
+
+    import elastic
+
+    @record
+    def main(config):
+        dist.init_process_group("gloo")
+        ...                                   # build the model, load the newest checkpoint, train
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        elastic.run(main, parse_config())
+
+Under elastic-run, when a new round still includes this worker's node, the agent does not stop the worker: it
+sends the new round over the worker's round socket (`launcher.workers.round_link`). A thread here receives it,
+aborts this process's groups (`elastic.process_groups`), so that a collective blocked on a lost peer returns,
+and `main` unwinds: with the collective's error, or with `RoundChanged` out of the next `elastic.heartbeat`.
+`run` then destroys the groups, switches stdout and stderr to the new round's, sets `os.environ` to the new
+round's torchrun variables (`RANK`, `WORLD_SIZE`, `MASTER_PORT`, `ELASTIC_ROUND`, ...), opens the new round's
+channel and calls `main` again, which loads the newest checkpoint as it would in a new process. Imports,
+compiled code, the CUDA context and whatever the caller of `run` holds survive.
+
+A collective that fails before the agent offers a round (a peer died) is not the end either: `run` waits up
+to `ELASTIC_ROUND_WAIT` seconds (elastic-run sets it: the lease plus --inprocess-timeout) for the round that
+replaces the lost peer, and raises the error only if none comes. Other exceptions (`ValueError`, a bug) end
+the worker at once, as without `run`. The agent kills a worker that has not re-entered within
+--inprocess-timeout and starts its rank anew; a crashed or hung worker is always replaced by a new process.
+
+Outside elastic-run (plain `python`, torchrun, `--no-inprocess`) `run` calls `main` once.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from elastic import channel
+
+logger = logging.getLogger(__name__)
+
+ROUND_FD_ENV = "ELASTIC_ROUND_FD"  # the worker's end of its round socket
+ROUND_WAIT_ENV = "ELASTIC_ROUND_WAIT"  # seconds a worker whose collective failed waits for the next round
+MAX_OFFER_BYTES = 4 << 20
+Result = TypeVar("Result")
+
+
+class RoundChanged(Exception):
+    """elastic-run handed this worker a new round: `elastic.run` catches it and calls `main` again."""
+
+
+@dataclass
+class Offer:
+    """A new round, as the agent sent it: its environment and the worker's new stdout and stderr."""
+
+    env: dict[str, str]
+    stdout_fd: int
+    stderr_fd: int
+
+    @property
+    def round(self) -> str:
+        return self.env.get("ELASTIC_ROUND", "?")
+
+    def discard(self) -> None:
+        for fd in (self.stdout_fd, self.stderr_fd):
+            os.close(fd)
+
+
+class RoundLink:
+    """The worker's end of its round socket: a thread receives the agent's offers of new rounds."""
+
+    def __init__(self, control: socket.socket, wait_s: float) -> None:
+        self.control = control
+        self.wait_s = wait_s
+        self._offer: Offer | None = None
+        self._arrived = threading.Condition()
+
+    @classmethod
+    def from_env(cls) -> RoundLink | None:
+        """This worker's link (None: not started by elastic-run with in-process rounds)."""
+        fd = os.environ.get(ROUND_FD_ENV)
+        if not fd:
+            return None
+        try:
+            control = socket.socket(fileno=int(fd))
+            if control.type != socket.SOCK_SEQPACKET:
+                raise OSError("not a round socket")
+        except (OSError, ValueError):
+            return None
+        control.set_inheritable(False)  # the worker's own: a subprocess it starts must not take its rounds
+        return cls(control, float(os.environ.get(ROUND_WAIT_ENV, "30")))
+
+    def start(self) -> None:
+        threading.Thread(target=self._receive, name="elastic-rounds", daemon=True).start()
+
+    def _receive(self) -> None:
+        from elastic import process_groups
+
+        while True:
+            try:
+                message, fds, _, _ = socket.recv_fds(self.control, MAX_OFFER_BYTES, 2)
+            except OSError:
+                return
+            if not message:
+                return  # the agent is gone: this worker runs on until it is stopped
+            offer = Offer(json.loads(message)["env"], *fds)
+            with self._arrived:
+                if self._offer is not None:
+                    self._offer.discard()  # a newer round replaced it before main unwound
+                self._offer = offer
+                self._arrived.notify_all()
+            shut = process_groups.abort_all()
+            logger.info("round %s offered: aborted the process groups (%d connections shut down)", offer.round, shut)
+
+    def pending(self) -> bool:
+        return self._offer is not None
+
+    def check(self) -> None:
+        """Raise `RoundChanged` if a new round was offered (what `elastic.heartbeat` calls)."""
+        if self._offer is not None:
+            raise RoundChanged(f"elastic-run started round {self._offer.round}")
+
+    def take(self, timeout_s: float) -> Offer | None:
+        """The offered round, waiting up to `timeout_s` for one; None if none came."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while self._offer is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._arrived.wait(left)
+            offer, self._offer = self._offer, None
+            return offer
+
+
+def run(main: Callable[..., Result], *args, **kwargs) -> Result:
+    """Call `main(*args, **kwargs)`; under elastic-run, again in each new round this worker takes part in."""
+    link = RoundLink.from_env()
+    if link is None:
+        return main(*args, **kwargs)
+    from elastic import process_groups
+
+    process_groups.track_group_sockets()
+    link.start()
+    channel.drain_channel().set_inprocess()
+    channel.round_check = link.check
+    while True:
+        try:
+            return main(*args, **kwargs)
+        except Exception as exc:
+            offer = _next_round(link, exc)
+            if offer is None:
+                raise
+        # out of the except block: its exception, and the last round's frames it holds, are gone
+        _enter(offer)
+
+
+def _next_round(link: RoundLink, exc: Exception) -> Offer | None:
+    """The round to re-enter after `main` raised `exc` (None: the error is the worker's end)."""
+    if link.pending():
+        return link.take(0)
+    if not isinstance(exc, RuntimeError):  # torch.distributed's errors are; a bug in the script usually is not
+        return None
+    logger.warning(
+        "%s: %s; waiting up to %gs for elastic-run's next round", type(exc).__name__, str(exc)[:200], link.wait_s
+    )
+    with channel.long_operation("waiting for the next round", timeout=link.wait_s + 5 if link.wait_s else math.inf):
+        return link.take(link.wait_s)
+
+
+def _enter(offer: Offer) -> None:
+    from elastic import process_groups
+
+    process_groups.abort_all()  # a group built after the offer arrived (main was creating one) is aborted too
+    process_groups.destroy_all()
+    gc.collect()  # the last round's model and optimizer, before the new round builds its own
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, target in ((offer.stdout_fd, 1), (offer.stderr_fd, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.update(offer.env)
+    channel.reopen().set_inprocess()
+    logger.info(
+        "round %s: re-entering main in process (rank %s of %s)",
+        offer.round,
+        offer.env.get("RANK"),
+        offer.env.get("WORLD_SIZE"),
+    )

@@ -1,0 +1,170 @@
+"""In-process rounds (issue #17): workers of examples/train.py, which runs under `elastic.run`, take a new round
+in the same process when a node is lost, stopped, joins, or one of their peers crashes; the data and the
+steps stay exactly those of a job whose workers all restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from launcher_harness import FAST_RDZV, REPO
+
+from test_elastic_training import committed_history
+
+pytestmark = pytest.mark.slow
+
+TRAIN = REPO / "examples" / "train.py"
+STUBBORN = REPO / "tests" / "integration" / "stubborn_worker.py"
+# every node takes part in round 0, however slowly a loaded machine starts the second agent
+BOTH = FAST_RDZV.replace("last_call_timeout=1", "last_call_timeout=60")
+# train.py's default model on a small corpus: steps slow enough (about 0.1 s) for a fault to land mid-run
+SMALL = ["--seq-len", "32", "--corpus-chars", "60000"]
+
+
+def args(samples, tmp_path, steps: int) -> list[str]:
+    return [
+        "--steps",
+        str(steps),
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "2",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-every",
+        "50",
+        "--memory-every",
+        "1",
+        "--sample-log",
+        str(samples),
+        *SMALL,
+    ]
+
+
+def records(samples) -> list[dict]:
+    return [json.loads(line) for line in samples.read_text().splitlines()] if samples.is_file() else []
+
+
+def newest(samples) -> dict | None:
+    found = records(samples)
+    return max(found, key=lambda r: (r["time"], r["rank"])) if found else None
+
+
+def reached(samples, world_size: int, step_after: int = 0):
+    return lambda: any(r["world_size"] == world_size and r["step"] > step_after for r in records(samples))
+
+
+def assert_every_sample_once(samples, steps: int, global_batch: int = 8) -> None:
+    history = committed_history(samples)
+    assert sorted(history) == list(range(1, steps + 1))
+    used = [i for step in history.values() for r in step for i in r["samples"]]
+    assert len(used) == steps * global_batch and len(set(used)) == len(used), "every sample once, none skipped"
+
+
+def workers_started(cluster) -> list[dict]:
+    return cluster.events("workers_started")
+
+
+@pytest.mark.timeout(240)
+def test_survivors_reenter_after_a_node_is_lost_and_when_a_node_joins(cluster, tmp_path):
+    """Node b is killed: a's two workers take the smaller round in process (the same pids train on). Node c then
+    joins: a's workers take the larger round in process too, and c's start as new processes."""
+    samples = tmp_path / "samples.jsonl"
+    steps = 160
+    a, b = (cluster.start(n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN) for n in "ab")
+    cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
+    a_pids = {r["pid"] for r in records(samples) if r["world_size"] == 4 and r["rank"] in (0, 1)} | {
+        r["pid"] for r in records(samples) if r["world_size"] == 4 and r["rank"] in (2, 3)
+    }
+    os.killpg(b.pid, signal.SIGKILL)
+    lost_at = time.time()
+    cluster.wait_for(reached(samples, 2), 60, "a step at 2 ranks")
+    survivors = {r["pid"] for r in records(samples) if r["world_size"] == 2}
+    assert len(survivors) == 2 and survivors <= a_pids, "a's workers train on in the same processes"
+    step_before_join = newest(samples)["step"]
+    cluster.start("c", args(samples, tmp_path, steps), nnodes="1:2", script=TRAIN)
+    cluster.wait_for(reached(samples, 4, step_before_join), 120, "a step at 4 ranks after c joined")
+    assert a.wait(timeout=120) == 0, cluster.dump()
+
+    assert_every_sample_once(samples, steps)
+    after_join = {r["pid"] for r in records(samples) if r["world_size"] == 4 and r["time"] > lost_at}
+    assert survivors <= after_join and len(after_join) == 4, "a's workers re-entered again; c's are new"
+    started = workers_started(cluster)
+    assert [(e["node"], e["inprocess"], e["fresh"]) for e in started] == [("a", 2, 0), ("a", 2, 0)], started
+    assert "re-entering main in process" in a.text()  # the workers' output goes to the agent's
+
+
+@pytest.mark.timeout(240)
+def test_a_crashed_worker_is_replaced_while_its_peers_reenter(cluster, tmp_path):
+    """One worker of node a is SIGKILLed: it starts anew, while its local peer and node b's workers, whose
+    collectives failed, wait for the next round and take it in process."""
+    samples = tmp_path / "samples.jsonl"
+    steps = 100
+    for n in "ab":
+        cluster.start(
+            n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN, extra=["--max-restarts", "1"]
+        )
+    cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
+    before = {r["rank"]: r["pid"] for r in records(samples) if r["world_size"] == 4}
+    os.kill(before[0], signal.SIGKILL)
+    cluster.wait_for(lambda: workers_started(cluster), 60, "the round after the crash")
+    for agent in cluster.agents:
+        assert agent.wait(timeout=120) == 0, cluster.dump()
+
+    assert_every_sample_once(samples, steps)
+    pids_after = {r["pid"] for r in records(samples) if r["round"] > 0}
+    assert before[0] not in pids_after and len(pids_after & set(before.values())) == 3
+    counts = sorted((e["inprocess"], e["fresh"]) for e in workers_started(cluster) if e["round"] == 1)
+    assert counts == [(1, 1), (2, 0)], workers_started(cluster)
+
+
+@pytest.mark.timeout(240)
+def test_workers_blocked_on_a_stopped_node_are_unblocked_and_reenter(cluster, tmp_path):
+    """Node b is SIGSTOPped: a's workers block in a collective on it (gloo would wait 30 minutes). b's lease
+    expires, the new round is offered, and aborting the process groups' connections unblocks them."""
+    samples = tmp_path / "samples.jsonl"
+    steps = 80
+    a, b = (cluster.start(n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN) for n in "ab")
+    cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
+    os.killpg(b.pid, signal.SIGSTOP)
+    try:
+        cluster.wait_for(reached(samples, 2), 60, "a step at 2 ranks")
+    finally:
+        os.killpg(b.pid, signal.SIGKILL)
+    assert a.wait(timeout=120) == 0, cluster.dump()
+    assert_every_sample_once(samples, steps)
+    assert [(e["node"], e["inprocess"]) for e in workers_started(cluster)] == [("a", 2)]
+    assert "aborted the process groups" in a.text(), "the new round's offer unblocked the collective"
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_does_not_unwind_is_replaced_and_no_inprocess_restarts_everyone(cluster, tmp_path):
+    """A worker whose main never returns to a heartbeat or a collective is killed after --inprocess-timeout and
+    its rank starts in a new process; with --no-inprocess every worker is a new process in every round."""
+    marks = tmp_path / "marks.jsonl"
+    script_args = ["--marks", str(marks)]
+    a = cluster.start("a", script_args, nnodes="1:2", rdzv_conf=BOTH, script=STUBBORN, extra=["--inprocess-timeout", "2"])
+    b = cluster.start("b", script_args, nnodes="1:2", rdzv_conf=BOTH, script=STUBBORN)
+    cluster.wait_for(lambda: len(records(marks)) >= 4, 90, "4 workers in round 0")
+    os.killpg(b.pid, signal.SIGKILL)
+    assert a.wait(timeout=90) == 0, cluster.dump()
+    assert "did not re-enter within --inprocess-timeout 2s" in a.text(), a.text()[-3000:]
+    round_1 = [r for r in records(marks) if r["round"] == 1]
+    stubborn = {r["pid"] for r in records(marks) if r["round"] == 0 and r["stubborn"] and r["node"] == "a"}
+    assert len(round_1) == 2 and not stubborn & {r["pid"] for r in round_1}, records(marks)
+    assert {r["reentered"] for r in round_1} == {True, False}, "the other worker re-entered in process"
+
+    marks.unlink()
+    c = cluster.start("c", script_args, nnodes="1:2", rdzv_id="plain", rdzv_conf=BOTH, script=STUBBORN,
+                      extra=["--no-inprocess"], env={"STUBBORN": "0"})
+    d = cluster.start("d", script_args, nnodes="1:2", rdzv_id="plain", rdzv_conf=BOTH, script=STUBBORN,
+                      env={"STUBBORN": "0"})
+    cluster.wait_for(lambda: len(records(marks)) >= 4, 90, "4 workers in round 0")
+    os.killpg(d.pid, signal.SIGKILL)
+    assert c.wait(timeout=90) == 0, cluster.dump()
+    round_1 = [r for r in records(marks) if r["round"] == 1]
+    assert len(round_1) == 2 and not any(r["reentered"] for r in round_1)
+    assert not cluster.events("workers_started", rdzv_id="plain")
