@@ -178,8 +178,10 @@ class BenchAgent(Agent):
                 return
             host.note("registered", None, time.time())
 
-        def timed_acknowledge(round_: int, round_revision: int, node: str, pid: int, *counts: int) -> bool:
-            committed = acknowledge(round_, round_revision, node, pid, *counts)
+        def timed_acknowledge(
+            round_: int, round_revision: int, node: str, pid: int, inprocess: int = 0, fresh: int = 0
+        ) -> bool:
+            committed = acknowledge(round_, round_revision, node, pid, inprocess, fresh)
             if committed:
                 host.note("acked", round_, time.time())
             return committed

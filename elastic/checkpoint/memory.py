@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from pydantic import BaseModel, ConfigDict
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from elastic.checkpoint.loading import load_folder, state_dicts
 from elastic.checkpoint.ranks import Ranks

@@ -80,7 +80,17 @@ def _details(event: MembershipEvent) -> str:
     if event.members:
         ranks = " ".join(f"{m['node']}[{m['first_rank']}-{m['last_rank']}]" for m in event.members)
         parts.append(f"members={ranks}")
-    for name in ("local_rank", "rank", "exit_code", "restart_count", "seconds_silent", "last_step", "step"):
+    for name in (
+        "local_rank",
+        "rank",
+        "exit_code",
+        "restart_count",
+        "seconds_silent",
+        "last_step",
+        "step",
+        "inprocess",
+        "fresh",
+    ):
         value = getattr(event, name)
         if value is not None:
             parts.append(f"{name}={value:.1f}" if isinstance(value, float) else f"{name}={value}")

@@ -13,10 +13,10 @@ import threading
 import time
 from pathlib import Path
 
+from elastic.rounds import ROUND_FD_ENV
 from launcher.config import LaunchConfig
 from launcher.rendezvous.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
 from launcher.workers import failure_evidence
-from elastic.rounds import ROUND_FD_ENV
 from launcher.workers.environment import ERROR_FILE, HEARTBEAT_FILE, node_worker_env, worker_env
 from launcher.workers.output import STREAMS, StreamRoute, WorkerOutput
 from launcher.workers.process_tree import stop_group, supervised_command
@@ -124,15 +124,15 @@ class WorkerGroup:
         env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
         routes = {name: self.output.route(directory, local_rank, name) for name in STREAMS}
         handed = previous.hand_over(local_rank) if previous is not None else None
-        process = None
-        if handed is not None and self._offer(handed, env, routes):
-            process = handed.process
-            self.round_links[local_rank] = handed
+        if handed is not None and self._offer(handed[1], env, routes):
+            process, self.round_links[local_rank] = handed
             self.reentering[local_rank] = time.monotonic() + self.config.inprocess_timeout
             self.started_inprocess += 1
         else:
             link = RoundLink.pair() if self.config.inprocess else None
-            warm = self.warm.take(local_rank, node_worker_env(self.member.addr, self.member.nproc)) if self.warm else None
+            warm = (
+                self.warm.take(local_rank, node_worker_env(self.member.addr, self.member.nproc)) if self.warm else None
+            )
             importing = warm is not None and warm.still_importing()
             if warm is not None and self._launch_warm(warm, env, routes, link):
                 process = warm.process
@@ -141,7 +141,7 @@ class WorkerGroup:
             else:
                 process = self._launch_cold(env, routes, link)
             if link is not None:
-                link.started(process)
+                link.started()
                 self.round_links[local_rank] = link
         for route in routes.values():
             if route.log_file is not None and route.target is not subprocess.PIPE:
@@ -151,7 +151,7 @@ class WorkerGroup:
     def _launch_cold(
         self, env: dict[str, str], routes: dict[str, StreamRoute], link: RoundLink | None
     ) -> subprocess.Popen:
-        pass_fds = ()
+        pass_fds: tuple[int, ...] = ()
         if link is not None:
             env = dict(env, **{ROUND_FD_ENV: str(link.worker_fd)})
             pass_fds = (link.worker_fd,)
@@ -176,7 +176,7 @@ class WorkerGroup:
         the agent's own console), the script and its arguments as `python -u script args` would have them."""
         fds, pumped = self._stdio(routes)
         extra = {ROUND_FD_ENV: link.worker_fd} if link is not None else {}
-        launched = warm.launch(env, [self.config.entrypoint, *self.config.args], *fds, extra_fds=extra)
+        launched = warm.launch(env, [self.config.entrypoint, *self.config.args], fds[0], fds[1], extra_fds=extra)
         self._pump(pumped, launched)
         return launched
 
@@ -258,7 +258,7 @@ class WorkerGroup:
                 self.watchdog.renew(local_rank)
                 self.processes[local_rank] = self._launch(local_rank, None)
 
-    def hand_over(self, local_rank: int) -> RoundLink | None:
+    def hand_over(self, local_rank: int) -> tuple[subprocess.Popen, RoundLink] | None:
         """The worker of `local_rank`, for the next round to take in process: one that runs under `elastic.run`,
         is alive, neither hung nor stopped, and still holds its round socket (None: the rank starts anew)."""
         link = self.round_links.get(local_rank)
@@ -269,7 +269,7 @@ class WorkerGroup:
         if not (self.watchdog.inprocess(local_rank) or local_rank in self.reentering):
             return None
         self._handed_over.add(local_rank)
-        return self.round_links.pop(local_rank)
+        return self.processes[local_rank], self.round_links.pop(local_rank)
 
     def release(self) -> None:
         """The next round took over what it could: stop the other workers. The pumps of those taken over end when

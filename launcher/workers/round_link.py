@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
 
 
 class RoundLink:
@@ -20,7 +19,6 @@ class RoundLink:
     def __init__(self, ours: socket.socket, theirs: socket.socket | None) -> None:
         self.control = ours
         self._theirs = theirs
-        self.process: subprocess.Popen | None = None
 
     @classmethod
     def pair(cls) -> RoundLink:
@@ -32,9 +30,8 @@ class RoundLink:
         assert self._theirs is not None, "the worker's end is passed once, at its start"
         return self._theirs.fileno()
 
-    def started(self, process: subprocess.Popen) -> None:
+    def started(self) -> None:
         """The worker holds its end now (or never will: a launch that failed)."""
-        self.process = process
         if self._theirs is not None:
             self._theirs.close()
             self._theirs = None

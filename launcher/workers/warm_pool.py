@@ -51,7 +51,12 @@ class WarmWorker:
     importing: int | None  # the read end of its ready pipe until it wrote to it (imports done) or exited
 
     def launch(
-        self, env: dict[str, str], argv: list[str], stdout_fd: int, stderr_fd: int, extra_fds: dict[str, int] | None = None
+        self,
+        env: dict[str, str],
+        argv: list[str],
+        stdout_fd: int,
+        stderr_fd: int,
+        extra_fds: dict[str, int] | None = None,
     ) -> bool:
         """Hand over the round: False if the interpreter is gone (the caller starts the rank cold).
 

@@ -11,7 +11,6 @@ import time
 
 import pytest
 from launcher_harness import FAST_RDZV, REPO
-
 from test_elastic_training import committed_history
 
 pytestmark = pytest.mark.slow
@@ -146,7 +145,9 @@ def test_a_worker_that_does_not_unwind_is_replaced_and_no_inprocess_restarts_eve
     its rank starts in a new process; with --no-inprocess every worker is a new process in every round."""
     marks = tmp_path / "marks.jsonl"
     script_args = ["--marks", str(marks)]
-    a = cluster.start("a", script_args, nnodes="1:2", rdzv_conf=BOTH, script=STUBBORN, extra=["--inprocess-timeout", "2"])
+    a = cluster.start(
+        "a", script_args, nnodes="1:2", rdzv_conf=BOTH, script=STUBBORN, extra=["--inprocess-timeout", "2"]
+    )
     b = cluster.start("b", script_args, nnodes="1:2", rdzv_conf=BOTH, script=STUBBORN)
     cluster.wait_for(lambda: len(records(marks)) >= 4, 90, "4 workers in round 0")
     os.killpg(b.pid, signal.SIGKILL)
@@ -158,10 +159,19 @@ def test_a_worker_that_does_not_unwind_is_replaced_and_no_inprocess_restarts_eve
     assert {r["reentered"] for r in round_1} == {True, False}, "the other worker re-entered in process"
 
     marks.unlink()
-    c = cluster.start("c", script_args, nnodes="1:2", rdzv_id="plain", rdzv_conf=BOTH, script=STUBBORN,
-                      extra=["--no-inprocess"], env={"STUBBORN": "0"})
-    d = cluster.start("d", script_args, nnodes="1:2", rdzv_id="plain", rdzv_conf=BOTH, script=STUBBORN,
-                      env={"STUBBORN": "0"})
+    c = cluster.start(
+        "c",
+        script_args,
+        nnodes="1:2",
+        rdzv_id="plain",
+        rdzv_conf=BOTH,
+        script=STUBBORN,
+        extra=["--no-inprocess"],
+        env={"STUBBORN": "0"},
+    )
+    d = cluster.start(
+        "d", script_args, nnodes="1:2", rdzv_id="plain", rdzv_conf=BOTH, script=STUBBORN, env={"STUBBORN": "0"}
+    )
     cluster.wait_for(lambda: len(records(marks)) >= 4, 90, "4 workers in round 0")
     os.killpg(d.pid, signal.SIGKILL)
     assert c.wait(timeout=90) == 0, cluster.dump()
