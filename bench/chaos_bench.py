@@ -21,7 +21,8 @@ fault-free run lasts about as long (~100 s here). In each chaos run, once traini
   term   SIGTERM a node's agent (a preemption notice: elastic-run drains and leaves; torchrun and ft_launcher stop
          their workers and exit).
 
-A node that is gone is replaced --rejoin-after seconds later by a new one (a scale-up). The victim is drawn
+A node that is gone is replaced --rejoin-after seconds later by a new one (a scale-up; with elastic-run's --spares,
+a spare takes the gone node's place in the same round and the new one waits as a spare). The victim is drawn
 (--seed) among the nodes that run. Then, from the step log each rank writes, for each system:
 
   goodput      samples trained per second from the first committed step to the last, over the fault-free run's
@@ -297,7 +298,8 @@ def run_job(system: System, workdir: Path, args: argparse.Namespace, chaos: bool
     run = Run(job, system, args)
     try:
         system.start(job)
-        for _ in range(args.nodes):
+        spares = args.spares if system.name == ElasticRun.name else 0
+        for _ in range(args.nodes + spares):  # those beyond --nnodes MAX wait as spares
             run.start_node()
             time.sleep(0.5)  # join in order: nvrx's node 0 hosts the c10d store
         if chaos:
@@ -506,6 +508,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="draws the victims (default 0)")
     parser.add_argument("--nodes", type=int, default=3, help="elastic-run: agents (default 3; the peers run 3)")
     parser.add_argument("--nproc", type=int, default=2, help="elastic-run: workers per agent (default 2)")
+    parser.add_argument(
+        "--spares", type=int, default=0, help="elastic-run: agents beyond --nodes, waiting as spares (default 0)"
+    )
     parser.add_argument("--watchdog-min", type=float, default=3.0, help="elastic-run's --watchdog-min (default 3)")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds allowed per run (default 900)")
     parser.add_argument("--keep-logs", action="store_true", help="keep every run's directory")
@@ -571,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             free = run_job(make_system(name, args), root / name / "fault-free", args, chaos=False)
             logger.info("%s: chaos run, a fault every %.0f s (%s)", name, args.fault_every, ",".join(args.kinds))
             chaos = run_job(make_system(name, args), root / name / "chaos", args, chaos=True)
-            results.append(compare(free, chaos))
+            results.append(dict(compare(free, chaos), spares=args.spares if name == ElasticRun.name else 0))
             print(json.dumps(results[-1]), flush=True)
     finally:
         if args.keep_logs:

@@ -119,6 +119,8 @@ class FormRound:
     newly_quarantined: list[str] = field(default_factory=list)
     readmitted: list[str] = field(default_factory=list)
     drain: DrainOutcome | None = None  # how the drain before this planned change went, if one was asked for
+    # (gone member, newcomer taking its place): a spare replacing a lost node in this one change
+    replaced: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,17 @@ def assign_ranks(previous: RoundRecord | None, nodes: dict[str, NodeRecord], max
         members.append(Member(node, record.lease, group_rank, record.nproc, next_rank, record.addr))
         next_rank += record.nproc
     return members
+
+
+def _replacements(previous: RoundRecord | None, members: list[Member]) -> list[tuple[str, str]]:
+    """Members of `previous` not in `members`, each paired with a newcomer that took a place, in order."""
+    if previous is None:
+        return []
+    kept = {(m.node, m.incarnation) for m in members}
+    gone = [n for n, inc in zip(previous.nodes, previous.incarnations) if (n, inc) not in kept]
+    before = set(zip(previous.nodes, previous.incarnations))
+    newcomers = [m.node for m in members if (m.node, m.incarnation) not in before]
+    return list(zip(gone, newcomers))
 
 
 def root_cause(failures: list[WorkerFailure]) -> WorkerFailure:
@@ -631,6 +644,7 @@ def _form(
     readmitted = sorted(set(previous.quarantined) - set(quarantined)) if previous is not None else []
     members = assign_ranks(previous, eligible, settings.max_nodes)
     return FormRound(
+        replaced=_replacements(previous, members),
         number=number,
         members=members,
         reason=reason,

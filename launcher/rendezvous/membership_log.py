@@ -94,6 +94,8 @@ def _details(event: MembershipEvent) -> str:
         value = getattr(event, name)
         if value is not None:
             parts.append(f"{name}={value:.1f}" if isinstance(value, float) else f"{name}={value}")
+    if event.replaced:
+        parts.append("replaced=" + ",".join(f"{r['node']}->{r['by']}" for r in event.replaced))
     if event.reason:
         parts.append(f"reason={event.reason}")
     if event.message:

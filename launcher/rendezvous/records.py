@@ -360,6 +360,8 @@ class MembershipEvent(BaseModel):
     last_step: int | None = None  # worker_hung, workers_stalled: the last step reported
     # drain_committed: the step the workers checkpointed before the change; training_progress: the newest step
     step: int | None = None
+    # round_started: each member of the last round not in this one, and the newcomer (a spare) in its place
+    replaced: list[dict] | None = None
     # workers_started: this node's workers handed the round in process (elastic.run), and those started anew
     inprocess: int | None = None
     fresh: int | None = None

@@ -52,6 +52,7 @@ def round_events(formed: FormRound, record: RoundRecord, settings: Settings, at:
             members=record.member_summary(),
             reason=formed.reason.value,
             restart_count=formed.restart_count,
+            replaced=[{"node": gone, "by": newcomer} for gone, newcomer in formed.replaced] or None,
         )
     )
     return events

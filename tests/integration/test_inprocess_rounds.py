@@ -101,7 +101,7 @@ def test_a_crashed_worker_is_replaced_while_its_peers_reenter(cluster, tmp_path)
     """One worker of node a is SIGKILLed: it starts anew, while its local peer and node b's workers, whose
     collectives failed, wait for the next round and take it in process."""
     samples = tmp_path / "samples.jsonl"
-    steps = 100
+    steps = 60
     for n in "ab":
         cluster.start(
             n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN, extra=["--max-restarts", "1"]

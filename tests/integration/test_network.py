@@ -45,7 +45,9 @@ def host_address() -> tuple[str, str] | None:
 
 def fake_member(addr: str) -> tuple:
     """Stand-ins for worker_env's arguments: only the attributes it reads."""
-    config = SimpleNamespace(role="default", max_restarts=0, rdzv_id="job")
+    config = SimpleNamespace(
+        role="default", max_restarts=0, rdzv_id="job", rdzv=SimpleNamespace(lease_ttl=3), inprocess_timeout=10.0
+    )
     member = SimpleNamespace(node="n0", group_rank=0, nproc=2, first_rank=0, addr=addr)
     round_ = SimpleNamespace(round=0, size=1, world_size=2, restart_count=0)
     master = SimpleNamespace(addr=addr, port=29500)

@@ -215,6 +215,18 @@ def test_a_member_whose_lease_ended_is_marked_lost_then_a_round_forms_without_ch
     assert [m.node for m in decision.members] == ["a", "b"]
 
 
+def test_a_spare_replaces_a_lost_member_in_the_same_round_and_the_round_says_so():
+    job = view("a", "b", "c", "d", round_of=("a", "b", "c"), acked={"a", "b", "c"})
+    del job.nodes["b"]  # b's lease ended; d waited as a spare (max 3)
+    assert at(job, T0, T0) == MarkLost({"b": "lease expired"})
+    job.reports[0].lost["b"] = "lease expired"
+    decision = at(job, T0, T0)
+    assert (type(decision), decision.reason) == (FormRound, RoundReason.NODE_LOST)
+    assert [m.node for m in decision.members] == ["a", "c", "d"], "one change, the world size kept"
+    assert decision.replaced == [("b", "d")]
+    assert at(view("a", "b", "c", round_of=("a", "b"), acked={"a", "b"}), T0, T0 + 100).replaced == [], "a join"
+
+
 def test_failures_while_a_member_is_silent_call_the_roll_and_wait_without_a_timer_guess():
     job = view("a", "b", round_of=("a", "b"), acked={"a", "b"}, failed={"a": failure("a")})
     assert at(job, T0, T0) == CallRollCall(0)

@@ -64,6 +64,11 @@ TIMED_OUT = dict(
     [
         (formed(RoundReason.INITIAL), [started("initial")]),
         (formed(RoundReason.NODE_LOST, 1), [started("node_lost", 1)]),  # a loss restarts nothing
+        # a spare took the lost node's place: round_started names both
+        (
+            formed(RoundReason.NODE_LOST, replaced=[("c", "b")]),
+            [dict(started("node_lost"), replaced=[{"node": "c", "by": "b"}])],
+        ),
         (formed(RoundReason.NODE_LEFT, handled_left=["c"]), [started("node_left")]),  # node_left is the agent's
         (formed(RoundReason.WORKER_FAILED, 2), [RESTART, started("worker_failed", 2)]),
         # quarantines and readmissions come first, in the decision's order
