@@ -1,8 +1,8 @@
 """Recovery benchmark: seconds from a fault to the first collective of the re-formed world.
 
-For each launcher (elastic-run with warm workers, elastic-run-cold with --no-warm-workers, torchrun with the
-c10d rendezvous) and each fault (SIGKILL: a dead host; SIGSTOP: a hung host; crash: one worker killed), in
-one run on this machine:
+For each launcher (elastic-run with warm workers, elastic-run-cold with --no-warm-workers, elastic-run-inprocess
+with the probe under elastic.run (survivors re-enter in process), torchrun with the c10d rendezvous) and each fault
+(SIGKILL: a dead host; SIGSTOP: a hung host; crash: one worker killed), in one run on this machine:
 
   1. start 3 agents ("nodes") x 2 workers of examples/collective_probe.py, --nnodes 2:3, --max-restarts 3;
   2. wait until the world of 6 has completed a few collectives, then --settle seconds more (a job that has
@@ -64,7 +64,7 @@ ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_ti
 TORCHRUN_TUNED_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,close_timeout=10"
 TORCHRUN_DEFAULT_CONF = ""
 
-LAUNCHERS = ("elastic-run", "elastic-run-cold", "torchrun", "torchrun-defaults")
+LAUNCHERS = ("elastic-run", "elastic-run-cold", "elastic-run-inprocess", "torchrun", "torchrun-defaults")
 FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "crash": signal.SIGKILL, "cascade": signal.SIGKILL}
 FAULT_NAMES = {
     "kill": "node SIGKILL",
@@ -226,9 +226,11 @@ class Job:
             self.etcd = EtcdServer(data_dir=str(etcd_dir)).start()
         store_port = free_port()
         probe_args = [str(PROBE), "--steps", "100000", "--step-time", str(step_time), "--log", str(self.probe_log)]
+        if self.launcher == "elastic-run-inprocess":
+            probe_args.append("--inprocess")  # survivors take the next round in process (elastic.run)
         for node in range(NODES):
             if self.launcher.startswith("elastic-run"):
-                warm = self.launcher == "elastic-run"
+                warm = self.launcher != "elastic-run-cold"
                 assert self.etcd is not None  # started above for every elastic-run launcher
                 command = elastic_run_command(node, self.etcd.endpoint, rdzv_id, self.log_dir(node), probe_args, warm)
             else:

@@ -21,10 +21,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 try:
     from elastic import heartbeat
+    from elastic import run as run_in_rounds
 except ImportError:  # run standalone, without the elastic library: nothing watches progress
 
     def heartbeat(step: int | None = None) -> None:
         pass
+
+    def run_in_rounds(main, *args):  # type: ignore[misc]  # elastic.run's fallback: main once
+        return main(*args)
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,6 +41,11 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="end early, every rank after the same collective, once this file exists (for tests that end a job "
         "when they have seen enough)",
+    )
+    parser.add_argument(
+        "--inprocess",
+        action="store_true",
+        help="run under elastic.run: a new round that keeps this worker's node re-enters main in this process",
     )
     parser.add_argument("--fail-rank", type=int, default=None, help="this rank raises at --fail-step ...")
     parser.add_argument("--fail-step", type=int, default=3)
@@ -84,4 +93,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--inprocess" in sys.argv[1:]:
+        run_in_rounds(main)
+    else:
+        main()

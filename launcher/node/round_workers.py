@@ -97,6 +97,15 @@ class RoundWorkers:
                         failure.message,
                     )
                     continue
+                if self.group.processes[failure.local_rank].poll() is None:  # raised; under elastic.run it waits
+                    logger.error(
+                        "round %d: worker local_rank %d (rank %d) raised: %s",
+                        failure.round,
+                        failure.local_rank,
+                        failure.rank,
+                        (failure.message or "an uncaught exception").splitlines()[0][:200],
+                    )
+                    continue
                 logger.error(
                     "round %d: worker local_rank %d (rank %d) failed with exit code %d",
                     failure.round,
