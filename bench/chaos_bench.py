@@ -23,7 +23,7 @@ fault-free run lasts about as long (~100 s here). In each chaos run, once traini
 
 A node that is gone is replaced --rejoin-after seconds later by a new one (a scale-up; with elastic-run's --spares,
 a spare takes the gone node's place in the same round and the new one waits as a spare). The victim is drawn
-(--seed) among the nodes that run. Then, from the step log each rank writes, for each system:
+(--seed) among the nodes whose workers run (never a spare). Then, from the step log each rank writes, for each system:
 
   goodput      samples trained per second from the first committed step to the last, over the fault-free run's
                (for elastic-run and ft_launcher, which re-split the global batch over the ranks left, that is new
@@ -356,10 +356,13 @@ def _stream_of_faults(run: Run, args: argparse.Namespace) -> None:
             node = run.start_node(join[1])
             run.changes.append(Change(now, f"node{node} joins"))
         if now >= next_fault:
-            live = [
+            live = [  # nodes that train: a spare, with no worker, is no victim (hitting it would cost nothing)
                 n
                 for n, agent in enumerate(run.job.agents)
-                if agent.poll() is None and n not in stream.faulted and n not in run.system.spared
+                if agent.poll() is None
+                and n not in stream.faulted
+                and n not in run.system.spared
+                and run.system.workers(agent.pid)
             ]
             kind = args.kinds[count % len(args.kinds)]
             if live and _fault(run, kind, rng.choice(live), stream, args.rejoin_after):

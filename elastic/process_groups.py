@@ -1,4 +1,5 @@
-"""Aborting this worker's process groups, so that a collective blocked on a peer that will never answer returns.
+"""Ending a round in a worker that goes on to the next: its process groups aborted (a collective blocked on a peer
+that will never answer returns) and destroyed, and DTensor's caches of the round's device meshes dropped.
 
 gloo has no working abort: `ProcessGroupGloo.abort()` returns at once but leaves a pending `all_reduce` blocked
 until the peer's process exits (30 s later in a test on torch 2.13). Shutting down the group's TCP connections
@@ -18,7 +19,9 @@ import os
 import socket
 import stat
 import threading
+from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -100,3 +103,37 @@ def destroy_all() -> None:
             logger.debug("destroying the aborted process groups failed: %s", exc)
     with _lock:
         _group_sockets.clear()
+
+
+def forget_device_meshes() -> None:
+    """Drop DTensor's caches of results per DeviceMesh: a DeviceMesh equals (== and hash) any other of the same
+    shape whatever this process's rank in it, so a round re-entered at another rank got the last round's meshes
+    back from them, with their coordinates (FSDP then saved the shards of the old rank: half a checkpoint)."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    caches: list[tuple[str, Callable[[], None]]] = [
+        ("the C++ dispatch's sharding cache", torch._C._clear_DTensor_sharding_propagator_cache),
+        (
+            "ShardingPropagator._propagate_tensor_meta_cached",
+            ShardingPropagator._propagate_tensor_meta_cached.cache_clear,
+        ),
+        ("_redistribute._gen_transform_infos", _redistribute._gen_transform_infos.cache_clear),
+        ("_redistribute.clear_redistribute_planner_cache", _redistribute.clear_redistribute_planner_cache),
+        ("MeshTopoInfo.build_from_mesh", _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear),
+    ]
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    per_thread = propagator.propagate_op_sharding  # one cache per thread: a new object empties them all
+    caches.append(
+        (
+            "ShardingPropagator.propagate_op_sharding",
+            lambda: setattr(
+                propagator, "propagate_op_sharding", type(per_thread)(propagator.propagate_op_sharding_non_cached)
+            ),
+        )
+    )
+    for name, clear in caches:
+        try:
+            clear()
+        except Exception as exc:  # a torch without that cache: nothing of it to forget
+            logger.warning("could not clear DTensor's %s (%s): a new round may reuse the last one's meshes", name, exc)

@@ -182,6 +182,7 @@ def _enter(offer: Offer) -> None:
 
     process_groups.abort_all()  # a group built after the offer arrived (main was creating one) is aborted too
     process_groups.destroy_all()
+    process_groups.forget_device_meshes()
     gc.collect()  # the last round's model and optimizer, before the new round builds its own
     sys.stdout.flush()
     sys.stderr.flush()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 TRAIN = REPO / "examples" / "train.py"
 STUBBORN = REPO / "tests" / "integration" / "stubborn_worker.py"
+RANK_SWAP = REPO / "tests" / "integration" / "rank_swap_worker.py"
 # every node takes part in round 0, however slowly a loaded machine starts the second agent
 BOTH = FAST_RDZV.replace("last_call_timeout=1", "last_call_timeout=60")
 # train.py's default model on a small corpus: steps slow enough (about 0.1 s) for a fault to land mid-run
@@ -178,3 +181,23 @@ def test_a_worker_that_does_not_unwind_is_replaced_and_no_inprocess_restarts_eve
     round_1 = [r for r in records(marks) if r["round"] == 1]
     assert len(round_1) == 2 and not any(r["reentered"] for r in round_1)
     assert not cluster.events("workers_started", rdzv_id="plain")
+
+
+@pytest.mark.timeout(120)
+def test_a_round_at_another_rank_shards_as_that_rank(tmp_path):
+    """Two processes swap ranks between rounds, ended as elastic.run ends one. A DeviceMesh equals any other of
+    the same shape whatever the rank, so DTensor's caches handed the second round the first round's mesh, and FSDP
+    held (and DCP saved) the old rank's rows: the plans of two ranks covered half of each tensor."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    store = str(tmp_path / "store")
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(RANK_SWAP), str(rank), store], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+        )
+        for rank in (0, 1)
+    ]
+    for worker in workers:
+        out, _ = worker.communicate(timeout=100)
+        assert worker.returncode == 0
+        rounds = [json.loads(line) for line in out.splitlines()]
+        assert [r["coordinate"] for r in rounds] == [[r["rank"]] for r in rounds], rounds
