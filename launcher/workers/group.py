@@ -94,6 +94,7 @@ class WorkerGroup:
             Policy.from_config(config),
             [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)],
             startups=startups,
+            spare_reentrant=config.inprocess,
         )
 
     def start(self, previous: WorkerGroup | None = None) -> None:
@@ -228,6 +229,7 @@ class WorkerGroup:
             for r, p in enumerate(self.processes)
             if p.returncode not in (None, 0)
             or (p.returncode == 0 and self.watchdog.hang(r))
+            or (p.returncode is None and self.watchdog.spared(r))
             or (r in self._raised and p.returncode is None and not acting and not self.watchdog.hang(r))
         ]
         if failures:
@@ -264,7 +266,7 @@ class WorkerGroup:
         link = self.round_links.get(local_rank)
         if link is None or local_rank >= len(self.processes) or self.processes[local_rank].poll() is not None:
             return None
-        if self.watchdog.hang(local_rank) is not None or local_rank in self.watchdog.stopped(self.processes):
+        if not self._alive_for_rounds(local_rank) or local_rank in self.watchdog.stopped(self.processes):
             return None
         if not (self.watchdog.inprocess(local_rank) or local_rank in self.reentering):
             return None
@@ -293,9 +295,13 @@ class WorkerGroup:
         return (
             local_rank in self.round_links
             and self.processes[local_rank].poll() is None
-            and self.watchdog.hang(local_rank) is None
+            and self._alive_for_rounds(local_rank)
             and (self.watchdog.inprocess(local_rank) or local_rank in self.reentering)
         )
+
+    def _alive_for_rounds(self, local_rank: int) -> bool:
+        """Not hung, or hung and left alive for the next round (the watchdog's `spare_reentrant`)."""
+        return self.watchdog.hang(local_rank) is None or self.watchdog.spared(local_rank)
 
     def request_drain(self, number: int) -> None:
         """Ask the workers to checkpoint at their next step and wait there (0: withdraw the request)."""
@@ -356,7 +362,7 @@ class WorkerGroup:
                 round=self.round.round,
                 local_rank=local_rank,
                 rank=self.member.first_rank + local_rank,
-                exit_code=self.processes[local_rank].returncode,
+                exit_code=_exit_code(self.processes[local_rank]),  # one left alive for the next round: 1
                 time=hang.failed_at(dump),
                 message=hang.describe(dump),
                 traceback=dump[-8000:] or traceback,

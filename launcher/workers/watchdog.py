@@ -48,6 +48,7 @@ class _Worker:
     kill_at: float | None = None  # SIGKILL to the worker
     group_kill_at: float | None = None  # SIGKILL to its process group, if it still runs
     started: bool = False  # its first heartbeat was seen
+    spared: bool = False  # found hung, left alive: it runs under elastic.run and takes the next round in process
 
 
 class Watchdog:
@@ -59,7 +60,12 @@ class Watchdog:
         paths: list[Path],
         clock: Callable[[], float] = time.monotonic,
         startups: StartupHistory | None = None,
+        spare_reentrant: bool = False,
     ) -> None:
+        # with --inprocess: a hung worker under elastic.run that is not stopped is dumped but not killed. In a
+        # synchronous job most hung workers wait in a collective on the one that hangs; the next round's offer
+        # aborts that collective and they re-enter (one that does not is replaced after --inprocess-timeout)
+        self.spare_reentrant = spare_reentrant
         self.startups = startups if startups is not None else StartupHistory()
         self.policy = self.startups.policy(policy)
         self.clock = clock
@@ -90,6 +96,9 @@ class Watchdog:
             if worker.hang is None:
                 worker.hang = self._find_hang(self.policy, worker, process, now)
                 if worker.hang is not None:
+                    # decided now, before the dump's SIGCONT revives a stopped worker: the round may end at once
+                    stopped = self._stopped(worker, process)
+                    worker.spared = self.spare_reentrant and not stopped and self._inprocess(worker)
                     logger.error(
                         "worker local_rank %d (rank %d) is hung: %s; dumping its stacks, then killing its "
                         "process group",
@@ -100,7 +109,14 @@ class Watchdog:
                     worker.kill_at = now + self._dump(worker, process)
             if worker.kill_at is not None and now >= worker.kill_at:
                 worker.kill_at = None
-                worker.group_kill_at = now + self._kill(worker, process)
+                if worker.spared:
+                    logger.warning(
+                        "worker local_rank %d (rank %d) runs under elastic.run: left alive for the next round",
+                        local_rank,
+                        first_rank + local_rank,
+                    )
+                else:
+                    worker.group_kill_at = now + self._kill(worker, process)
             if worker.group_kill_at is not None and now >= worker.group_kill_at:
                 worker.group_kill_at = None
                 signal_group(process, signal.SIGKILL)
@@ -131,8 +147,14 @@ class Watchdog:
 
     def inprocess(self, local_rank: int) -> bool:
         """Whether the worker of `local_rank` runs under `elastic.run`: it takes the next round in process."""
-        worker = self.workers[local_rank]
+        return self._inprocess(self.workers[local_rank])
+
+    def _inprocess(self, worker: _Worker) -> bool:
         return self._open(worker) and channel.read_inprocess(worker.view)
+
+    def spared(self, local_rank: int) -> bool:
+        """The worker of `local_rank` was found hung and left alive for the next round (`spare_reentrant`)."""
+        return self.workers[local_rank].spared
 
     def renew(self, local_rank: int) -> None:
         """A fresh channel for a new process of `local_rank`, watched as a worker just started."""

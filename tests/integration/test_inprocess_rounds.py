@@ -4,6 +4,7 @@ steps stay exactly those of a job whose workers all restarted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -121,6 +122,32 @@ def test_a_crashed_worker_is_replaced_while_its_peers_reenter(cluster, tmp_path)
     assert before[0] not in pids_after and len(pids_after & set(before.values())) == 3
     counts = sorted((e["inprocess"], e["fresh"]) for e in workers_started(cluster) if e["round"] == 1)
     assert counts == [(1, 1), (2, 0)], workers_started(cluster)
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_worker_is_killed_while_the_peers_waiting_on_it_reenter(cluster, tmp_path):
+    """One worker is SIGSTOPped: every worker falls silent and is found hung. The stopped one is killed and starts
+    anew; the others, which only wait in a collective on it, are left alive and take the next round in process."""
+    samples = tmp_path / "samples.jsonl"
+    steps = 60
+    extra = ["--max-restarts", "1", "--watchdog-min", "2"]
+    for n in "ab":
+        cluster.start(n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN, extra=extra)
+    cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
+    before = {r["rank"]: r["pid"] for r in records(samples) if r["world_size"] == 4}
+    os.kill(before[0], signal.SIGSTOP)
+    try:
+        cluster.wait_for(lambda: workers_started(cluster), 60, "the round after the hang")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the watchdog killed it, as it should
+            os.kill(before[0], signal.SIGKILL)
+    for agent in cluster.agents:
+        assert agent.wait(timeout=120) == 0, cluster.dump()
+    assert_every_sample_once(samples, steps)
+    hung = cluster.events("worker_hung")
+    assert hung and before[0] not in {r["pid"] for r in records(samples) if r["round"] > 0}
+    counts = sorted((e["inprocess"], e["fresh"]) for e in workers_started(cluster) if e["round"] == 1)
+    assert counts == [(1, 1), (2, 0)], (workers_started(cluster), hung)
 
 
 @pytest.mark.timeout(240)
