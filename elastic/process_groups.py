@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import threading
 from collections.abc import Callable
 
@@ -109,6 +110,8 @@ def forget_device_meshes() -> None:
     """Drop DTensor's caches of results per DeviceMesh: a DeviceMesh equals (== and hash) any other of the same
     shape whatever this process's rank in it, so a round re-entered at another rank got the last round's meshes
     back from them, with their coordinates (FSDP then saved the shards of the old rank: half a checkpoint)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # never imported, nothing cached (and importing it takes half a second)
     from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 

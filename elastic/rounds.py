@@ -65,6 +65,7 @@ class Offer:
     env: dict[str, str]
     stdout_fd: int
     stderr_fd: int
+    received: float = 0.0  # time.monotonic() when it arrived
 
     @property
     def round(self) -> str:
@@ -112,7 +113,8 @@ class RoundLink:
                 return
             if not message:
                 return  # the agent is gone: this worker runs on until it is stopped
-            offer = Offer(json.loads(message)["env"], *fds)
+            stdout_fd, stderr_fd = fds
+            offer = Offer(json.loads(message)["env"], stdout_fd, stderr_fd, received=time.monotonic())
             with self._arrived:
                 if self._offer is not None:
                     self._offer.discard()  # a newer round replaced it before main unwound
@@ -180,10 +182,13 @@ def _next_round(link: RoundLink, exc: Exception) -> Offer | None:
 def _enter(offer: Offer) -> None:
     from elastic import process_groups
 
+    unwound = time.monotonic()
     process_groups.abort_all()  # a group built after the offer arrived (main was creating one) is aborted too
     process_groups.destroy_all()
     process_groups.forget_device_meshes()
+    destroyed = time.monotonic()
     gc.collect()  # the last round's model and optimizer, before the new round builds its own
+    collected = time.monotonic()
     sys.stdout.flush()
     sys.stderr.flush()
     for fd, target in ((offer.stdout_fd, 1), (offer.stderr_fd, 2)):
@@ -192,8 +197,13 @@ def _enter(offer: Offer) -> None:
     os.environ.update(offer.env)
     channel.reopen().set_inprocess()
     logger.info(
-        "round %s: re-entering main in process (rank %s of %s)",
+        "round %s: re-entering main in process (rank %s of %s), %.2fs after the offer (unwinding %.2fs, groups "
+        "destroyed %.2fs, garbage collected %.2fs)",
         offer.round,
         offer.env.get("RANK"),
         offer.env.get("WORLD_SIZE"),
+        time.monotonic() - offer.received,
+        unwound - offer.received,
+        destroyed - unwound,
+        collected - destroyed,
     )
