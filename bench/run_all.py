@@ -40,17 +40,19 @@ BENCHMARKS = [
         [
             "bench/recovery_bench.py",
             "--launchers",
-            "elastic-run,elastic-run-cold,torchrun",
+            "elastic-run,elastic-run-inprocess,elastic-run-cold,torchrun",
             "--faults",
-            "kill,stop,crash",
+            "kill,stop,crash,cascade",
             "--deadline",
             "30",
             "--plot",
             "{out}/recovery.png",
         ],
-        420,
-        "3 nodes x 2 workers of examples/collective_probe.py on one host; the last node (never the controller, "
-        "never torchrun's store host) faulted after 8 s of training; elastic-run lease 1 s x 3, probe_timeout "
+        720,
+        "3 nodes x 2 workers of examples/collective_probe.py on one host (elastic-run-inprocess: under "
+        "elastic.run); the last node (never the controller, never torchrun's store host) faulted after 8 s of "
+        "training (cascade: a worker of node1 crashed, then the last node killed 3 s after the job trains "
+        "again); elastic-run lease 1 s x 3, probe_timeout "
         "0.5 s; torchrun c10d with keep-alive 1 s x 3, last call 2 s",
         "recovery.png",
     ),
@@ -97,12 +99,13 @@ BENCHMARKS = [
     ),
     Benchmark(
         "chaos",
-        ["bench/chaos_bench.py"],
+        ["bench/chaos_bench.py", "--spares", "1"],
         900,
         "3 nodes x 2 workers of examples/train.py (400 steps, global batch 24, a disk checkpoint every 50 steps), "
         "--nnodes 2:3, --max-restarts 1000, lease 1 s x 3, last call 3 s, --watchdog-min 3; a fault every 15 s "
-        "cycling kill, stop (SIGKILLed 10 s later), crash, hang, term; a gone node replaced by a new one 5 s "
-        "later; the same job without faults first, in the same run",
+        "cycling kill, stop (SIGKILLed 10 s later), crash, hang, term, aimed at nodes that train; one spare agent "
+        "takes a gone node's place, and a new one joins as the next spare 5 s later; the same job without faults "
+        "first, in the same run",
     ),
     Benchmark(
         "peers",
