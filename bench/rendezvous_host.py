@@ -142,6 +142,9 @@ class NoopWorkerGroup:
     def start(self, previous=None) -> None:
         pass
 
+    def stop_all_but_reentrant(self) -> None:
+        pass  # no workers
+
     def poll(self):
         return WorkerOutcome.RUNNING, []
 

@@ -39,7 +39,7 @@ class RoundWorkers:
         self.startups = StartupHistory()  # how long our workers take to their first heartbeat, over rounds
         self.group: Any = None
         # the last round's group, kept between rounds with --inprocess: its workers under elastic.run take the
-        # next round in process; the rest are stopped when the next round's workers start
+        # next round in process; the rest are stopped when it is retired
         self.retired: Any = None
 
     @property
@@ -52,12 +52,13 @@ class RoundWorkers:
         return self.group is not None or self.retired is not None
 
     def retire(self) -> None:
-        """A new round includes this node: keep the workers that can take it in process, stop the rest then."""
+        """A new round includes this node: keep the workers that can take it in process, stop the rest."""
         if not self.config.inprocess:
             self.stop()
             return
         if self.group is not None:
             self.stop_retired()
+            self.group.stop_all_but_reentrant()  # at once, as without --inprocess: they take no part any more
             self.retired, self.group = self.group, None
 
     def reporting_hang(self) -> bool:
