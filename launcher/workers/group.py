@@ -263,12 +263,7 @@ class WorkerGroup:
     def hand_over(self, local_rank: int) -> tuple[subprocess.Popen, RoundLink] | None:
         """The worker of `local_rank`, for the next round to take in process: one that runs under `elastic.run`,
         is alive, neither hung nor stopped, and still holds its round socket (None: the rank starts anew)."""
-        link = self.round_links.get(local_rank)
-        if link is None or local_rank >= len(self.processes) or self.processes[local_rank].poll() is not None:
-            return None
-        if not self._alive_for_rounds(local_rank) or local_rank in self.watchdog.stopped(self.processes):
-            return None
-        if not (self.watchdog.inprocess(local_rank) or local_rank in self.reentering):
+        if not self._reentrant(local_rank) or local_rank in self.watchdog.stopped(self.processes):
             return None
         self._handed_over.add(local_rank)
         return self.processes[local_rank], self.round_links.pop(local_rank)
@@ -292,6 +287,7 @@ class WorkerGroup:
         self.stop_processes([p for r, p in enumerate(self.processes) if r not in keep])
 
     def _reentrant(self, local_rank: int) -> bool:
+        """Alive, under `elastic.run` (or handed this round and not yet back), not hung (or spared), with its socket."""
         return (
             local_rank in self.round_links
             and self.processes[local_rank].poll() is None
