@@ -119,7 +119,7 @@ def test_a_crashed_worker_is_replaced_while_its_peers_reenter(cluster, tmp_path)
 
     assert_every_sample_once(samples, steps)
     pids_after = {r["pid"] for r in records(samples) if r["round"] > 0}
-    assert before[0] not in pids_after and len(pids_after & set(before.values())) == 3
+    assert before[0] not in pids_after and len(pids_after & set(before.values())) == 3, cluster.dump()
     counts = sorted((e["inprocess"], e["fresh"]) for e in workers_started(cluster) if e["round"] == 1)
     assert counts == [(1, 1), (2, 0)], workers_started(cluster)
 
