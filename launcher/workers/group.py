@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from elastic.rounds import ROUND_FD_ENV
@@ -80,6 +81,8 @@ class WorkerGroup:
         self.attempt_dir = config.log_dir / config.node_id / f"attempt_{round_.round}"
         self.processes: list[subprocess.Popen] = []
         self.output = WorkerOutput(config, self.attempt_dir, member.first_rank)
+        # what a warm interpreter must have been started with to serve this round
+        self._node_env = node_worker_env(member.addr, member.nproc)
         self.round_links: dict[int, RoundLink] = {}  # local rank -> its worker's round socket (with --inprocess)
         # local ranks handed this round in process, until the worker opens this round's channel: by when it must
         self.reentering: dict[int, float] = {}
@@ -124,16 +127,14 @@ class WorkerGroup:
         error_file.unlink(missing_ok=True)
         env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
         routes = {name: self.output.route(directory, local_rank, name) for name in STREAMS}
-        handed = previous.hand_over(local_rank) if previous is not None else None
-        if handed is not None and self._offer(handed[1], env, routes):
+        handed = previous.hand_over(local_rank, lambda link: self._offer(link, env, routes)) if previous else None
+        if handed is not None:
             process, self.round_links[local_rank] = handed
             self.reentering[local_rank] = time.monotonic() + self.config.inprocess_timeout
             self.started_inprocess += 1
         else:
             link = RoundLink.pair() if self.config.inprocess else None
-            warm = (
-                self.warm.take(local_rank, node_worker_env(self.member.addr, self.member.nproc)) if self.warm else None
-            )
+            warm = self.warm.take(local_rank, self._node_env) if self.warm is not None else None
             importing = warm is not None and warm.still_importing()
             if warm is not None and self._launch_warm(warm, env, routes, link):
                 process = warm.process
@@ -260,10 +261,15 @@ class WorkerGroup:
                 self.watchdog.renew(local_rank)
                 self.processes[local_rank] = self._launch(local_rank, None)
 
-    def hand_over(self, local_rank: int) -> tuple[subprocess.Popen, RoundLink] | None:
-        """The worker of `local_rank`, for the next round to take in process: one that runs under `elastic.run`,
-        is alive, neither hung nor stopped, and still holds its round socket (None: the rank starts anew)."""
+    def hand_over(
+        self, local_rank: int, offer: Callable[[RoundLink], bool]
+    ) -> tuple[subprocess.Popen, RoundLink] | None:
+        """The worker of `local_rank` and its round socket, once `offer` handed it the next round: one that runs
+        under `elastic.run`, is alive, neither hung nor stopped, and still holds its socket (None: the rank starts
+        anew, and `release` stops this worker with the others it keeps)."""
         if not self._reentrant(local_rank) or local_rank in self.watchdog.stopped(self.processes):
+            return None
+        if not offer(self.round_links[local_rank]):
             return None
         self._handed_over.add(local_rank)
         return self.processes[local_rank], self.round_links.pop(local_rank)
