@@ -115,8 +115,16 @@ def forget_device_meshes() -> None:
     from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    per_thread = type(propagator.propagate_op_sharding)  # one cache per thread: a new object empties them all
     caches: list[tuple[str, Callable[[], None]]] = [
         ("the C++ dispatch's sharding cache", torch._C._clear_DTensor_sharding_propagator_cache),
+        (
+            "ShardingPropagator.propagate_op_sharding",
+            lambda: setattr(
+                propagator, "propagate_op_sharding", per_thread(propagator.propagate_op_sharding_non_cached)
+            ),
+        ),
         (
             "ShardingPropagator._propagate_tensor_meta_cached",
             ShardingPropagator._propagate_tensor_meta_cached.cache_clear,
@@ -125,16 +133,6 @@ def forget_device_meshes() -> None:
         ("_redistribute.clear_redistribute_planner_cache", _redistribute.clear_redistribute_planner_cache),
         ("MeshTopoInfo.build_from_mesh", _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear),
     ]
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    per_thread = propagator.propagate_op_sharding  # one cache per thread: a new object empties them all
-    caches.append(
-        (
-            "ShardingPropagator.propagate_op_sharding",
-            lambda: setattr(
-                propagator, "propagate_op_sharding", type(per_thread)(propagator.propagate_op_sharding_non_cached)
-            ),
-        )
-    )
     for name, clear in caches:
         try:
             clear()

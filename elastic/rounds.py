@@ -34,7 +34,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import os
 import socket
 import sys
@@ -65,7 +64,7 @@ class Offer:
     env: dict[str, str]
     stdout_fd: int
     stderr_fd: int
-    received: float = 0.0  # time.monotonic() when it arrived
+    received: float  # time.monotonic() when it arrived
 
     @property
     def round(self) -> str:
@@ -175,7 +174,7 @@ def _next_round(link: RoundLink, exc: Exception) -> Offer | None:
     logger.warning(
         "%s: %s; waiting up to %gs for elastic-run's next round", type(exc).__name__, str(exc)[:200], link.wait_s
     )
-    with channel.long_operation("waiting for the next round", timeout=link.wait_s + 5 if link.wait_s else math.inf):
+    with channel.long_operation("waiting for the next round", timeout=link.wait_s + 5):
         return link.take(link.wait_s)
 
 

@@ -39,7 +39,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from elastic.checkpoint.loading import load_folder, state_dicts
 from elastic.checkpoint.ranks import Ranks
@@ -145,12 +144,9 @@ class MemorySnapshots:
         self.wait_for_copy()
         folder = self._own(step)
         self._ranks.agree(lambda: self._prepare(folder), f"preparing the memory snapshot of step {step}")
-        dcp.save(
+        dcp.save(  # DCP's default planner, without plan caching: see elastic.checkpoint.saver
             state_dicts(state),
             storage_writer=SnapshotWriter(folder, self._written),
-            # no plan caching: DCP caches plans per planner class, and a round re-entered in process (elastic.run)
-            # then merged its plans with another world's (half of each tensor missing, in tests)
-            planner=DefaultSavePlanner(),
             process_group=self._ranks.group,
             no_dist=self._ranks.group is None,
         )

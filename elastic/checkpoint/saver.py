@@ -1,5 +1,9 @@
 """Writing one attempt's data with DCP: in the foreground, or in the background behind one stager kept for the
-manager's life (it reuses its CPU copies, so staging after the first save is a memcpy)."""
+manager's life (it reuses its CPU copies, so staging after the first save is a memcpy).
+
+Saves here and in `elastic.checkpoint.memory` use DCP's default planner, without plan caching: DCP caches plans
+per planner class for the whole process, and a round re-entered in process (`elastic.run`) at another world size
+merged its plans with the last world's (half of each tensor missing, in tests)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -52,9 +55,6 @@ class AttemptSaver:
         dcp.save(
             state_dict,
             storage_writer=writer,
-            # no plan caching: DCP caches plans per planner class, and a round re-entered in process (elastic.run)
-            # then merged its plans with another world's (half of each tensor missing, in tests)
-            planner=DefaultSavePlanner(),
             process_group=self.ranks.group,
             no_dist=self.ranks.group is None,
         )
@@ -69,9 +69,6 @@ class AttemptSaver:
         upload = dcp.async_save(
             state_dict,
             storage_writer=writer,
-            # no plan caching: DCP caches plans per planner class, and a round re-entered in process (elastic.run)
-            # then merged its plans with another world's (half of each tensor missing, in tests)
-            planner=DefaultSavePlanner(),
             process_group=self.ranks.group,
             async_checkpointer_type=AsyncCheckpointerType.THREAD,
             async_stager=self._stager,

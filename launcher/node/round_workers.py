@@ -52,7 +52,7 @@ class RoundWorkers:
         return self.group is not None or self.retired is not None
 
     def retire(self) -> None:
-        """A new round includes this node: keep the workers that can take it in process, stop the rest."""
+        """This round's workers are done with it: keep those that can take the next one in process, stop the rest."""
         if not self.config.inprocess:
             self.stop()
             return
@@ -114,11 +114,9 @@ class RoundWorkers:
                     failure.rank,
                     failure.exit_code,
                 )
-            if self.config.inprocess:  # workers under elastic.run wait for the next round; the rest stop
-                self.group.stop_all_but_reentrant()
-                self.retired, self.group = self.group, None
-            else:
-                self.stop()  # peers of a failed worker usually hang in their next collective
+            # peers of a failed worker usually hang in their next collective: they stop, but for those under
+            # elastic.run, which wait for the next round (with --inprocess)
+            self.retire()
             run.outcome = NodeFailure(node=self.node_id, round=run.round, failures=failures)
         else:
             run.outcome = rules.WorkersSucceeded()

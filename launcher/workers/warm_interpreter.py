@@ -32,6 +32,7 @@ CONTROL_FD_ENV = "ELASTIC_WARM_CONTROL_FD"
 # agent with an unread message in it resets the connection, and the launch message behind it would be lost
 READY_FD_ENV = "ELASTIC_WARM_READY_FD"
 MAX_LAUNCH_BYTES = 4 << 20
+MAX_LAUNCH_FDS = 8  # stdout, stderr and the descriptors named in `fd_env`
 # the process name (/proc/<pid>/comm) while it waits, so that `ps` tells a spare from a worker; a launched one
 # takes back the interpreter's own name, as a cold worker has it
 IDLE_NAME = "elastic-warm"
@@ -48,9 +49,6 @@ def _set_process_name(name: bytes) -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name[:15])
-
-
-MAX_LAUNCH_FDS = 8
 
 
 def _wait_for_launch(control: socket.socket) -> tuple[dict, list[int]] | None:
