@@ -10,11 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from launcher_harness import FAST_RDZV, REPO
 from test_elastic_training import committed_history
+
+from launcher.workers.process_tree import child_pids
 
 pytestmark = pytest.mark.slow
 
@@ -72,28 +73,33 @@ def workers_started(cluster) -> list[dict]:
 
 
 @pytest.mark.timeout(240)
-def test_survivors_reenter_after_a_node_is_lost_and_when_a_node_joins(cluster, tmp_path):
-    """Node b is killed: a's two workers take the smaller round in process (the same pids train on). Node c then
-    joins: a's workers take the larger round in process too, and c's start as new processes."""
+def test_survivors_blocked_on_a_stopped_node_reenter_and_reenter_again_when_a_node_joins(cluster, tmp_path):
+    """Node b is SIGSTOPped: a's workers block in a collective on it (gloo would wait 30 minutes). b's lease
+    expires, the new round is offered, and aborting the process groups' connections unblocks them: they take the
+    smaller round in process (the same pids train on). Node c then joins: a's workers take the larger round in
+    process too, and c's start as new processes."""
     samples = tmp_path / "samples.jsonl"
-    steps = 160
+    steps = 120
     a, b = (cluster.start(n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN) for n in "ab")
     cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
-    a_pids = {r["pid"] for r in records(samples) if r["world_size"] == 4 and r["rank"] in (0, 1)} | {
-        r["pid"] for r in records(samples) if r["world_size"] == 4 and r["rank"] in (2, 3)
-    }
-    os.killpg(b.pid, signal.SIGKILL)
-    lost_at = time.time()
-    cluster.wait_for(reached(samples, 2), 60, "a step at 2 ranks")
+    a_pids = set(child_pids(a.pid)) & {r["pid"] for r in records(samples)}
+    assert len(a_pids) == 2, (a_pids, records(samples)[-4:])
+    os.killpg(b.pid, signal.SIGSTOP)
+    try:
+        cluster.wait_for(reached(samples, 2), 60, "a step at 2 ranks")
+    finally:
+        os.killpg(b.pid, signal.SIGKILL)
     survivors = {r["pid"] for r in records(samples) if r["world_size"] == 2}
     assert len(survivors) == 2 and survivors <= a_pids, "a's workers train on in the same processes"
+    assert "aborted the process groups" in a.text(), "the new round's offer unblocked the collective"
     step_before_join = newest(samples)["step"]
     cluster.start("c", args(samples, tmp_path, steps), nnodes="1:2", script=TRAIN)
     cluster.wait_for(reached(samples, 4, step_before_join), 120, "a step at 4 ranks after c joined")
     assert a.wait(timeout=120) == 0, cluster.dump()
 
     assert_every_sample_once(samples, steps)
-    after_join = {r["pid"] for r in records(samples) if r["world_size"] == 4 and r["time"] > lost_at}
+    shrunk = max(r["round"] for r in records(samples) if r["world_size"] == 2)
+    after_join = {r["pid"] for r in records(samples) if r["world_size"] == 4 and r["round"] > shrunk}
     assert survivors <= after_join and len(after_join) == 4, "a's workers re-entered again; c's are new"
     started = workers_started(cluster)
     assert [(e["node"], e["inprocess"], e["fresh"]) for e in started] == [("a", 2, 0), ("a", 2, 0)], started
@@ -101,72 +107,41 @@ def test_survivors_reenter_after_a_node_is_lost_and_when_a_node_joins(cluster, t
 
 
 @pytest.mark.timeout(240)
-def test_a_crashed_worker_is_replaced_while_its_peers_reenter(cluster, tmp_path):
-    """One worker of node a is SIGKILLed: it starts anew, while its local peer and node b's workers, whose
-    collectives failed, wait for the next round and take it in process."""
+def test_a_crashed_and_then_a_stopped_worker_are_replaced_while_their_peers_reenter(cluster, tmp_path):
+    """One worker is SIGKILLed: it starts anew, while its local peer and node b's workers, whose collectives
+    failed, wait for the next round and take it in process. Then one worker is SIGSTOPped: every worker falls
+    silent and is found hung; the stopped one is killed and starts anew, and the others, which only wait in a
+    collective on it, are left alive and take the round after in process."""
     samples = tmp_path / "samples.jsonl"
-    steps = 60
-    for n in "ab":
-        cluster.start(
-            n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN, extra=["--max-restarts", "1"]
-        )
-    cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
-    before = {r["rank"]: r["pid"] for r in records(samples) if r["world_size"] == 4}
-    os.kill(before[0], signal.SIGKILL)
-    cluster.wait_for(lambda: workers_started(cluster), 60, "the round after the crash")
-    for agent in cluster.agents:
-        assert agent.wait(timeout=120) == 0, cluster.dump()
-
-    assert_every_sample_once(samples, steps)
-    pids_after = {r["pid"] for r in records(samples) if r["round"] > 0}
-    assert before[0] not in pids_after and len(pids_after & set(before.values())) == 3, cluster.dump()
-    counts = sorted((e["inprocess"], e["fresh"]) for e in workers_started(cluster) if e["round"] == 1)
-    assert counts == [(1, 1), (2, 0)], workers_started(cluster)
-
-
-@pytest.mark.timeout(240)
-def test_a_stopped_worker_is_killed_while_the_peers_waiting_on_it_reenter(cluster, tmp_path):
-    """One worker is SIGSTOPped: every worker falls silent and is found hung. The stopped one is killed and starts
-    anew; the others, which only wait in a collective on it, are left alive and take the next round in process."""
-    samples = tmp_path / "samples.jsonl"
-    steps = 60
-    extra = ["--max-restarts", "1", "--watchdog-min", "2"]
+    steps = 90
+    extra = ["--max-restarts", "2", "--watchdog-min", "2"]
     for n in "ab":
         cluster.start(n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN, extra=extra)
     cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
-    before = {r["rank"]: r["pid"] for r in records(samples) if r["world_size"] == 4}
-    os.kill(before[0], signal.SIGSTOP)
+    round_0 = {r["rank"]: r["pid"] for r in records(samples) if r["round"] == 0}
+    os.kill(round_0[0], signal.SIGKILL)
+    cluster.wait_for(lambda: any(r["round"] == 1 for r in records(samples)), 60, "a step in the round after the crash")
+    round_1 = {r["rank"]: r["pid"] for r in records(samples) if r["round"] == 1}
+    assert round_0[0] not in round_1.values() and len(set(round_1.values()) & set(round_0.values())) == 3, (
+        cluster.dump()
+    )
+    os.kill(round_1[3], signal.SIGSTOP)
     try:
-        cluster.wait_for(lambda: workers_started(cluster), 60, "the round after the hang")
+        cluster.wait_for(lambda: any(r["round"] == 2 for r in records(samples)), 60, "a step after the hang")
     finally:
         with contextlib.suppress(ProcessLookupError):  # the watchdog killed it, as it should
-            os.kill(before[0], signal.SIGKILL)
+            os.kill(round_1[3], signal.SIGKILL)
     for agent in cluster.agents:
         assert agent.wait(timeout=120) == 0, cluster.dump()
-    assert_every_sample_once(samples, steps)
-    hung = cluster.events("worker_hung")
-    assert hung and before[0] not in {r["pid"] for r in records(samples) if r["round"] > 0}
-    counts = sorted((e["inprocess"], e["fresh"]) for e in workers_started(cluster) if e["round"] == 1)
-    assert counts == [(1, 1), (2, 0)], (workers_started(cluster), hung)
 
-
-@pytest.mark.timeout(240)
-def test_workers_blocked_on_a_stopped_node_are_unblocked_and_reenter(cluster, tmp_path):
-    """Node b is SIGSTOPped: a's workers block in a collective on it (gloo would wait 30 minutes). b's lease
-    expires, the new round is offered, and aborting the process groups' connections unblocks them."""
-    samples = tmp_path / "samples.jsonl"
-    steps = 80
-    a, b = (cluster.start(n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN) for n in "ab")
-    cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
-    os.killpg(b.pid, signal.SIGSTOP)
-    try:
-        cluster.wait_for(reached(samples, 2), 60, "a step at 2 ranks")
-    finally:
-        os.killpg(b.pid, signal.SIGKILL)
-    assert a.wait(timeout=120) == 0, cluster.dump()
     assert_every_sample_once(samples, steps)
-    assert [(e["node"], e["inprocess"]) for e in workers_started(cluster)] == [("a", 2)]
-    assert "aborted the process groups" in a.text(), "the new round's offer unblocked the collective"
+    round_2 = {r["pid"] for r in records(samples) if r["round"] == 2}
+    assert round_1[3] not in round_2 and len(round_2 & set(round_1.values())) == 3, cluster.dump()
+    assert cluster.events("worker_hung"), cluster.dump()
+    counts = {
+        n: sorted((e["inprocess"], e["fresh"]) for e in workers_started(cluster) if e["round"] == n) for n in (1, 2)
+    }
+    assert counts == {1: [(1, 1), (2, 0)], 2: [(1, 1), (2, 0)]}, workers_started(cluster)
 
 
 @pytest.mark.timeout(180)
