@@ -244,8 +244,8 @@ class Agent:
                 self.workers.poll(run)
             case rules.RefillWarmPool():
                 assert run is not None and self.warm is not None, "a refill time is set only with a warm pool"
-                run.refill_warm_at = None
-                self.warm.fill()
+                filled = self.warm.fill()
+                run.refill_warm_at = None if filled else rules.refill_warm_at(time.monotonic(), filled)
             case rules.Acknowledge():
                 assert run is not None and run.member is not None, "acknowledged only by a member of a round"
                 inprocess = self.workers.group.started_inprocess

@@ -80,7 +80,7 @@ class RoundWorkers:
         self.group.start(self.retired)
         self.retired = None
         run.phase = Phase.RUNNING
-        run.refill_warm_at = rules.refill_warm_at(time.monotonic(), self.startups.longest) if self.warm else None
+        run.refill_warm_at = rules.refill_warm_at(time.monotonic()) if self.warm else None
 
     def poll(self, run: RoundRun) -> None:
         """Note how the workers ended, if they did: the next step reports it."""

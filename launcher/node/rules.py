@@ -49,7 +49,8 @@ if TYPE_CHECKING:  # the rules import nothing of etcd: the view is only read her
 # controller key, so that thousands of agents do not all write at once when the controller dies.
 CLAIM_SPREAD_PER_MEMBER_S = 0.001
 CLAIM_SPREAD_MAX_S = 1.0
-WARM_REFILL_AFTER_S = 5.0
+WARM_REFILL_AFTER_S = 0.2  # forks of the zygote: milliseconds of CPU, out of the way of the round's launch
+WARM_REFILL_RETRY_S = 0.5  # while the zygote still imports
 PROGRESS_EVERY_S = 10.0
 
 
@@ -329,7 +330,7 @@ def progress_to_record(run: RoundRun, latest_step: int | None, now: float) -> Re
     return RecordProgress(step=latest_step)
 
 
-def refill_warm_at(now: float, longest_startup: float | None) -> float:
-    """When to pre-start the next round's workers: once this round's are past their own start-up, not competing
-    with it for the CPU."""
-    return now + max(WARM_REFILL_AFTER_S, 2 * (longest_startup or 0.0))
+def refill_warm_at(now: float, filled: bool | None = None) -> float:
+    """When to fork the next round's warm workers: right after this round's launch (`filled` None), or again
+    soon when the last fill could not finish (False: the zygote still imports)."""
+    return now + (WARM_REFILL_RETRY_S if filled is False else WARM_REFILL_AFTER_S)

@@ -1,1 +1,1 @@
-"""One node's workers: their environment, processes, output, warm interpreters and watchdog."""
+"""One node's workers: their environment, processes, output, warm workers (forked from a zygote) and watchdog."""

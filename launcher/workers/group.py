@@ -20,7 +20,7 @@ from launcher.rendezvous.records import DrainReport, MasterRecord, Member, Round
 from launcher.workers import failure_evidence
 from launcher.workers.environment import ERROR_FILE, HEARTBEAT_FILE, node_worker_env, worker_env
 from launcher.workers.output import STREAMS, StreamRoute, WorkerOutput
-from launcher.workers.process_tree import stop_group, supervised_command
+from launcher.workers.process_tree import WorkerProcess, stop_group, supervised_command
 from launcher.workers.round_link import RoundLink
 from launcher.workers.stack_dumps import read_dump
 from launcher.workers.warm_pool import WarmPool, WarmWorker
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 UNCAUGHT_EXCEPTION_EXIT = 1  # what Python exits with after an uncaught exception
 
 
-def _exit_code(process: subprocess.Popen) -> int:
+def _exit_code(process: WorkerProcess) -> int:
     """The worker's exit code; for one still tearing down after an uncaught exception, the 1 it will exit with."""
     return UNCAUGHT_EXCEPTION_EXIT if process.returncode is None else process.returncode
 
@@ -72,16 +72,15 @@ class WorkerGroup:
         self.config = config
         self.warm = warm
         self.started_inprocess = 0  # how many of the workers were handed this round in process
-        self.started_warm = 0  # how many of the workers started in a warm interpreter
-        self.started_importing = 0  # of those, how many had not finished importing torch yet
+        self.started_warm = 0  # how many of the workers started in a warm worker forked from the zygote
         self.round = round_
         self.member = member
         self.master = master
         assert config.log_dir is not None, "elastic-run picks the log dir before workers start"
         self.attempt_dir = config.log_dir / config.node_id / f"attempt_{round_.round}"
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[WorkerProcess] = []
         self.output = WorkerOutput(config, self.attempt_dir, member.first_rank)
-        # what a warm interpreter must have been started with to serve this round
+        # what the zygote must have been started with for its warm workers to serve this round
         self._node_env = node_worker_env(member.addr, member.nproc)
         self.round_links: dict[int, RoundLink] = {}  # local rank -> its worker's round socket (with --inprocess)
         # local ranks handed this round in process, until the worker opens this round's channel: by when it must
@@ -102,25 +101,24 @@ class WorkerGroup:
 
     def start(self, previous: WorkerGroup | None = None) -> None:
         """Start the round's workers: each local rank takes the worker `previous` hands over in process (it runs
-        under `elastic.run`), else a warm interpreter, else a new one. What `previous` keeps is stopped."""
+        under `elastic.run`), else a warm worker, else a new one. What `previous` keeps is stopped."""
         for local_rank in range(self.member.nproc):
             self.processes.append(self._launch(local_rank, previous))
         if previous is not None:
             previous.release()
         logger.info(
-            "round %d: started %d worker(s) (%d re-entering in process, %d warm%s), ranks %d-%d of %d, logs in %s",
+            "round %d: started %d worker(s) (%d re-entering in process, %d warm), ranks %d-%d of %d, logs in %s",
             self.round.round,
             self.member.nproc,
             self.started_inprocess,
             self.started_warm,
-            f", {self.started_importing} still importing" if self.started_importing else "",
             self.member.first_rank,
             self.member.last_rank,
             self.round.world_size,
             self.attempt_dir,
         )
 
-    def _launch(self, local_rank: int, previous: WorkerGroup | None) -> subprocess.Popen:
+    def _launch(self, local_rank: int, previous: WorkerGroup | None) -> WorkerProcess:
         directory = self.attempt_dir / str(local_rank)
         directory.mkdir(parents=True, exist_ok=True)
         error_file = directory / ERROR_FILE
@@ -128,6 +126,7 @@ class WorkerGroup:
         env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
         routes = {name: self.output.route(directory, local_rank, name) for name in STREAMS}
         handed = previous.hand_over(local_rank, lambda link: self._offer(link, env, routes)) if previous else None
+        process: WorkerProcess
         if handed is not None:
             process, self.round_links[local_rank] = handed
             self.reentering[local_rank] = time.monotonic() + self.config.inprocess_timeout
@@ -135,11 +134,9 @@ class WorkerGroup:
         else:
             link = RoundLink.pair() if self.config.inprocess else None
             warm = self.warm.take(local_rank, self._node_env) if self.warm is not None else None
-            importing = warm is not None and warm.still_importing()
             if warm is not None and self._launch_warm(warm, env, routes, link):
                 process = warm.process
                 self.started_warm += 1
-                self.started_importing += importing
             else:
                 process = self._launch_cold(env, routes, link)
             if link is not None:
@@ -174,7 +171,7 @@ class WorkerGroup:
     def _launch_warm(
         self, warm: WarmWorker, env: dict[str, str], routes: dict[str, StreamRoute], link: RoundLink | None
     ) -> bool:
-        """Hand the round to a warm interpreter: stdio as a cold worker's (pipes the agent pumps, log files, or
+        """Hand the round to a warm worker: stdio as a cold worker's (pipes the agent pumps, log files, or
         the agent's own console), the script and its arguments as `python -u script args` would have them."""
         fds, pumped = self._stdio(routes)
         extra = {ROUND_FD_ENV: link.worker_fd} if link is not None else {}
@@ -261,9 +258,7 @@ class WorkerGroup:
                 self.watchdog.renew(local_rank)
                 self.processes[local_rank] = self._launch(local_rank, None)
 
-    def hand_over(
-        self, local_rank: int, offer: Callable[[RoundLink], bool]
-    ) -> tuple[subprocess.Popen, RoundLink] | None:
+    def hand_over(self, local_rank: int, offer: Callable[[RoundLink], bool]) -> tuple[WorkerProcess, RoundLink] | None:
         """The worker of `local_rank` and its round socket, once `offer` handed it the next round: one that runs
         under `elastic.run`, is alive, neither hung nor stopped, and still holds its socket (None: the rank starts
         anew, and `release` stops this worker with the others it keeps)."""
@@ -280,7 +275,7 @@ class WorkerGroup:
         self.stop_processes([p for r, p in enumerate(self.processes) if r not in self._handed_over])
         threading.Thread(target=self.output.close, name="output-close", daemon=True).start()
 
-    def stop_processes(self, processes: list[subprocess.Popen], signum: int = signal.SIGTERM) -> None:
+    def stop_processes(self, processes: list[WorkerProcess], signum: int = signal.SIGTERM) -> None:
         stop_group(processes, self.config.worker_stop_timeout, signum)
         for local_rank, process in enumerate(self.processes):
             if process in processes and local_rank in self.round_links:

@@ -26,9 +26,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn, Protocol
 
-from launcher.workers.warm_interpreter import CONTROL_FD_ENV
+from launcher.workers.warm_interpreter import IDLE_NAME, SUPERVISOR_NAME, ZYGOTE_NAME, set_process_name
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -53,6 +55,21 @@ _EXEC_FAILED_EXIT = 127  # as a shell reports a command it cannot run
 _STRAY_KILL_TIMEOUT_S = 10.0
 
 
+class WorkerProcess(Protocol):
+    """What the agent holds of a worker: its supervisor, a `subprocess.Popen` (a cold worker) or a
+    `launcher.workers.zygote.ForkedProcess` (one forked from the node's zygote)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 def orphan_safe_command(command: list[str]) -> list[str]:
     """`command`, wrapped so that the process it becomes is killed when the calling process dies.
 
@@ -70,7 +87,7 @@ def supervised_command(command: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _SUPERVISE, _SUPERVISOR_MARK, _PACKAGE_ROOT, str(os.getpid()), *command]
 
 
-def signal_group(process: subprocess.Popen, signum: int) -> None:
+def signal_group(process: WorkerProcess, signum: int) -> None:
     """Send `signum` to the process group led by `process` (started with start_new_session=True)."""
     try:
         os.killpg(process.pid, signum)
@@ -78,7 +95,7 @@ def signal_group(process: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def stop_group(processes: list[subprocess.Popen], grace_s: float, first_signal: int = signal.SIGTERM) -> None:
+def stop_group(processes: list[WorkerProcess], grace_s: float, first_signal: int = signal.SIGTERM) -> None:
     """Signal every process group, wait up to `grace_s` for them to exit, then SIGKILL what is left.
 
     SIGKILL goes to every descendant of a process that is still running (for a supervised worker: its whole tree,
@@ -181,51 +198,51 @@ def kill_descendants(pid: int, timeout_s: float = _STRAY_KILL_TIMEOUT_S, reap: b
         time.sleep(0.005)
 
 
+def _process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+    except OSError:
+        return ""
+
+
 def _is_supervisor(pid: int) -> bool:
     try:
         arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return _SUPERVISOR_MARK.encode() in arguments[:8]
+    return _SUPERVISOR_MARK.encode() in arguments[:8] or _process_name(pid) == SUPERVISOR_NAME
 
 
 def child_pids(pid: int) -> list[int]:
-    """The workers of `pid` (Linux /proc): its direct children, where a supervisor (`supervised_command`) stands
-    for the worker it runs, its first child (or itself, before the worker started), and where warm interpreters
-    that wait for a round (`launcher.workers.warm_pool`) are left out. How a caller finds the workers of an agent it
-    started."""
+    """The workers of `pid` (Linux /proc): its direct children and the zygote's, where a supervisor stands for the
+    worker it runs (its first child, or itself before the worker started), and where warm workers that wait for a
+    round (`launcher.workers.warm_pool`) and the zygote are left out. How a caller finds the workers of an agent
+    it started."""
     processes = _living_processes(zombies=True)
     children: dict[int, list[int]] = {}
     for child, fields in processes.items():
         children.setdefault(int(fields[1]), []).append(child)
     found = []
     for supervisor in children.get(pid, ()):
-        child = supervisor
-        if _is_supervisor(supervisor):
-            # orphans adopted by the supervisor are its children too; the worker is the one that started first
-            # (an exited worker not yet reaped included, so that no orphan is taken for it)
-            child = min(children.get(child, ()), key=lambda p: (int(processes[p][19]), p), default=child)  # starttime
-        if not _waits_for_a_round(supervisor, child):
-            found.append(child)
+        if _process_name(supervisor) == ZYGOTE_NAME:  # its warm workers' supervisors are its children
+            found += [w for s in children.get(supervisor, ()) if (w := _worker_of(s, children, processes))]
+        elif worker := _worker_of(supervisor, children, processes):
+            found.append(worker)
     return found
 
 
-def _waits_for_a_round(supervisor: int, worker: int) -> bool:
-    """Whether `worker` is a warm interpreter that was not launched yet: it still holds the control socket its
-    supervisor was started with (an interpreter closes it when launched). True from the fork on, before the
-    interpreter could name itself, and false once launched even if the script reuses the descriptor's number."""
-    try:
-        environ = Path(f"/proc/{supervisor}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    prefix = f"{CONTROL_FD_ENV}=".encode()
-    fd = next((entry[len(prefix) :].decode() for entry in environ if entry.startswith(prefix)), None)
-    if fd is None:
-        return False
-    try:
-        return os.readlink(f"/proc/{worker}/fd/{fd}") == os.readlink(f"/proc/{supervisor}/fd/{fd}")
-    except OSError:
-        return False
+def _worker_of(supervisor: int, children: dict[int, list[int]], processes: dict[int, list[str]]) -> int | None:
+    """The worker under `supervisor` (or `supervisor` itself if it is none); None while it waits for a round."""
+    child = supervisor
+    if _is_supervisor(supervisor):
+        # orphans adopted by the supervisor are its children too; the worker is the one that started first
+        # (an exited worker not yet reaped included, so that no orphan is taken for it)
+        child = min(children.get(child, ()), key=lambda p: (int(processes[p][19]), p), default=child)  # starttime
+        if child == supervisor:  # it may have forked since the snapshot: a forked supervisor names itself after
+            child = next(iter(own_children(supervisor)), supervisor)
+    # a warm worker is named so from its fork until its launch; its supervisor has the zygote's name until the
+    # worker is forked, and its own after
+    return None if _process_name(child) in (IDLE_NAME, ZYGOTE_NAME) else child
 
 
 # -- the supervisor, run as `python -I -S -c _SUPERVISE MARK ROOT PARENT_PID COMMAND...` ----------------------
@@ -255,7 +272,7 @@ def _reap_all() -> list[tuple[int, int]]:
         reaped.append((pid, status))
 
 
-def _exit_like(status: int) -> None:
+def _exit_like(status: int) -> NoReturn:
     """Exit with the worker's wait status: its exit code, or its death signal raised against ourselves."""
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
@@ -277,8 +294,16 @@ def _exit_like(status: int) -> None:
 
 
 def _supervise() -> None:
-    parent = int(sys.argv[3])
+    """The cold supervisor's program: supervise `COMMAND`, exec'd in the forked worker."""
     command = sys.argv[4:]
+    supervise(int(sys.argv[3]), lambda me, ignored: _exec_worker(command, me, ignored))
+
+
+def supervise(parent: int, start_worker: Callable[[int, list[int]], None], name: str | None = None) -> NoReturn:
+    """Be the supervisor of one worker: fork it (`start_worker(supervisor_pid, ignored_signals)` runs in the child
+    and must not return into this code), reap it and the orphans of its tree, kill what it leaves behind, and exit
+    with its status; kill its tree and exit when `parent` dies. `name`: this process's name once the worker is
+    forked (a supervisor forked from the zygote has the zygote's command line, not the supervisor's mark)."""
     me = os.getpid()
     parent_gone: list[int] = []
 
@@ -320,9 +345,16 @@ def _supervise() -> None:
         if os.getppid() != parent:  # the parent died before the parent-death signal was armed
             parent_gone.append(0)
             raise _ParentGone
+        # a signal that lands while Python runs its at-fork handlers is reported and dropped, not raised: held
+        # until the fork is done, it is raised below (the parent's death) or never seen (the child's)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         worker = os.fork()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if worker == 0:
-            _exec_worker(command, me, ignored)
+            start_worker(me, ignored)
+            os._exit(_EXEC_FAILED_EXIT)  # pragma: no cover - start_worker execs, exits or unwinds past us
+        if name is not None:
+            set_process_name(name)
         while True:
             pid, status = os.waitpid(-1, 0)  # the worker, and the orphans of its tree as they exit
             if pid == worker:

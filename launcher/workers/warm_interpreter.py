@@ -1,69 +1,83 @@
-"""The program of a warm worker: an interpreter that imports torch ahead of its round, then runs the script.
+"""The program of a node's zygote, and of the warm workers forked from it, that then run the script.
 
-The agent starts it (under the same supervisor as a cold worker) with the round-independent part of the
-worker environment and one end of a SOCK_SEQPACKET socket pair in `ELASTIC_WARM_CONTROL_FD`. It imports
-torch, torch.distributed and the torch modules the script imports (`torch_imports`), writes
-to the pipe in `ELASTIC_WARM_READY_FD` to say so, and waits for one launch message: a JSON object (`env`,
-`argv`) with the worker's stdout and stderr attached as file descriptors (and any further descriptors, each named by the
-environment variable in `fd_env`: the worker's round socket). It then becomes
-`python script.py args`: stdout/stderr on those descriptors, the round's environment, `sys.argv`,
-`sys.path[0]` the script's directory, the script run as `__main__`; its exit code and uncaught exception are
-the script's. The socket closing without a message (the agent is gone, or no round needs this interpreter)
-ends it with status 0.
+The agent starts one zygote per node (`launcher.workers.zygote`) with the round-independent part of the worker
+environment and one end of a SOCK_SEQPACKET socket pair in `ELASTIC_ZYGOTE_FD`. It imports torch,
+torch.distributed and the torch modules the script imports (`torch_imports`), says `ready`, and then serves the
+agent: for each request (a JSON `fork` with a warm worker's control socket attached) it forks a supervisor
+(`launcher.workers.process_tree.supervise`), which forks the warm worker, and it answers with the supervisor's
+pid; when a supervisor exits it sends its exit code (`exited`), as `Popen.returncode` would have it. It starts
+no thread and initialises no device before it forks, so a fork costs milliseconds and the child inherits the
+imports.
 
-Run as a file, never imported by the worker: nothing of `launcher` stays in the script's `sys.modules`. Its
-command line ends with the script and its arguments, so `ps` and `pgrep -f script.py` find the worker.
+The warm worker waits for one launch message on its control socket: a JSON object (`env`, `argv`) with the
+worker's stdout and stderr attached as file descriptors (and any further descriptors, each named by the
+environment variable in `fd_env`: the worker's round socket). It then becomes `python script.py args`:
+stdout/stderr on those descriptors, the round's environment, `sys.argv`, `sys.path[0]` the script's directory,
+the script run as `__main__`; its exit code and uncaught exception are the script's. The socket closing without a
+message (the agent is gone, or no round needs this worker) ends it with status 0. What a fresh interpreter
+would have differently is made fresh: the signal handlers Python installs, the random seeds (`random` reseeds
+itself at fork, numpy's global generator is reseeded here), and nothing of `launcher` in `sys.modules` or its
+root on `sys.path`.
+
+Run as a file, never imported by the worker. Its command line ends with the script and its arguments, so `ps`
+and `pgrep -f script.py` find the worker (and the zygote and the supervisors, which share it: their process
+names tell them apart).
 """
 
 import ast
 import builtins
+import ctypes
 import importlib
 import importlib.machinery
 import io
 import json
 import os
+import select
 import signal
 import socket
 import sys
 import types
+from pathlib import Path
 
-CONTROL_FD_ENV = "ELASTIC_WARM_CONTROL_FD"
-# the write end of a pipe, written once the imports are done. Not the control socket: a socket closed by the
-# agent with an unread message in it resets the connection, and the launch message behind it would be lost
-READY_FD_ENV = "ELASTIC_WARM_READY_FD"
-MAX_LAUNCH_BYTES = 4 << 20
+ZYGOTE_FD_ENV = "ELASTIC_ZYGOTE_FD"
+MAX_MESSAGE_BYTES = 4 << 20
 MAX_LAUNCH_FDS = 8  # stdout, stderr and the descriptors named in `fd_env`
-# the process name (/proc/<pid>/comm) while it waits, so that `ps` tells a spare from a worker; a launched one
-# takes back the interpreter's own name, as a cold worker has it
+# process names (/proc/<pid>/comm), so that `ps` tells the zygote, a supervisor and a waiting worker from a
+# worker; a launched one takes back the interpreter's own name, as a cold worker has it
+ZYGOTE_NAME = "elastic-zygote"
+SUPERVISOR_NAME = "elastic-superv"
 IDLE_NAME = "elastic-warm"
 _PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
 # What an FSDP2 + DCP training script pays for in its first second besides torch itself, measured on
 # examples/train.py: `import torch.distributed.fsdp` (0.7 s) and the torch._dynamo that fully_shard's first call
 # imports (1.0 s). Only torch's own modules are loaded early (they read nothing of the round's environment at
 # import), and only those the script imports itself: a script that needs none pays nothing for them.
 IMPORTED_WITH = {"torch.distributed.fsdp": ("torch._dynamo",)}
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def _set_process_name(name: bytes) -> None:
+class _Forked(Exception):
+    """Raised in a new warm worker, to leave the zygote's and the supervisor's code for its own."""
+
+
+def set_process_name(name: str) -> None:
     if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, name[:15])
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
-def _wait_for_launch(control: socket.socket) -> tuple[dict, list[int]] | None:
-    message, fds, _, _ = socket.recv_fds(control, MAX_LAUNCH_BYTES, MAX_LAUNCH_FDS)
-    if not message:
-        return None
-    return json.loads(message), fds
+def _send(channel: socket.socket, message: dict) -> None:
+    try:
+        channel.send(json.dumps(message).encode())
+    except OSError:
+        os._exit(0)  # the agent is gone; the supervisors die with us (their parent-death signal)
 
 
 def main() -> None:
-    control = socket.socket(fileno=int(os.environ.pop(CONTROL_FD_ENV)))
-    ready = int(os.environ.pop(READY_FD_ENV))
+    requests = socket.socket(fileno=int(os.environ.pop(ZYGOTE_FD_ENV)))
     own_name = _own_name()
-    _set_process_name(IDLE_NAME.encode())
-    import torch  # noqa: F401  (the cost a warm worker pays before its round, not in it)
+    set_process_name(ZYGOTE_NAME)
+    import torch  # noqa: F401  (the cost the zygote pays once, before any round, not in it)
     import torch.distributed  # noqa: F401  (the part every elastic-run script uses)
 
     for module in torch_imports(sys.argv[1]) if len(sys.argv) > 1 else ():
@@ -71,12 +85,87 @@ def main() -> None:
             importlib.import_module(module)
         except ImportError:
             pass  # not in this torch: the script fails on its own import of it, as it would cold
-    try:
-        os.write(ready, b"1")  # the agent of a node joining a running job waits for this before it registers
-    except OSError:
-        pass  # the agent no longer listens (EPIPE): it launched us already, or gave us up
-    os.close(ready)
+    handlers = {signum: signal.getsignal(signum) for signum in _catchable_signals()}
+    added = _PACKAGE_ROOT not in sys.path
+    if added:
+        sys.path.append(_PACKAGE_ROOT)
+    from launcher.workers.process_tree import supervise
 
+    _send(requests, {"ready": True})
+    control = _serve(requests, lambda me, ignored: _start_warm_worker(me, handlers), supervise)
+    # a warm worker from here on
+    for name in [m for m in sys.modules if m == "launcher" or m.startswith("launcher.")]:
+        del sys.modules[name]
+    if added:
+        sys.path.remove(_PACKAGE_ROOT)
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()  # from the OS's entropy, as a fresh interpreter's first import does
+    _run_launch(control, own_name)
+
+
+def _serve(requests: socket.socket, start_worker, supervise) -> socket.socket:
+    """Fork a supervisor and its warm worker for each request, and report each supervisor's exit, until the
+    agent closes its end; returns only in a forked warm worker, its control socket."""
+    zygote = os.getpid()
+    supervisors: dict[int, int] = {}  # pidfd -> pid
+    while True:
+        readable, _, _ = select.select([requests.fileno(), *supervisors], [], [])
+        for fd in readable:
+            if fd in supervisors:
+                pid = supervisors.pop(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                _send(requests, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        if requests.fileno() not in readable:
+            continue
+        message, fds, _, _ = socket.recv_fds(requests, MAX_MESSAGE_BYTES, 1)
+        if not message:
+            os._exit(0)
+        if not fds:
+            continue
+        pid = os.fork()
+        if pid == 0:
+            requests.close()
+            for fd in supervisors:
+                os.close(fd)
+            os.setsid()  # the supervisor leads its group, as a cold one started with start_new_session does
+            try:
+                supervise(zygote, start_worker, name=SUPERVISOR_NAME)
+            except _Forked:
+                return socket.socket(fileno=fds[0])
+        os.close(fds[0])
+        supervisors[os.pidfd_open(pid)] = pid
+        _send(requests, {"forked": pid})
+
+
+def _start_warm_worker(supervisor: int, handlers: dict) -> None:
+    """In the warm worker, just forked by its supervisor: the zygote's signal handlers (a fresh interpreter's),
+    death with the supervisor, the waiting name; then out of the supervisor's code."""
+    for signum, handler in handlers.items():
+        try:
+            signal.signal(signum, handler)
+        except (OSError, ValueError, TypeError):
+            pass
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != supervisor:
+        os._exit(0)
+    set_process_name(IDLE_NAME)
+    raise _Forked
+
+
+def _catchable_signals() -> list[int]:
+    return [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+
+
+def _wait_for_launch(control: socket.socket) -> tuple[dict, list[int]] | None:
+    message, fds, _, _ = socket.recv_fds(control, MAX_MESSAGE_BYTES, MAX_LAUNCH_FDS)
+    if not message:
+        return None
+    return json.loads(message), fds
+
+
+def _run_launch(control: socket.socket, own_name: bytes) -> None:
     launch = _wait_for_launch(control)
     control.close()
     if launch is None:
@@ -91,7 +180,7 @@ def main() -> None:
         os.set_inheritable(fd, True)  # as a cold worker's: the script's own subprocess may be the one to use it
         os.environ[name] = str(fd)
     sys.argv = list(order["argv"])
-    _set_process_name(own_name)
+    set_process_name(own_name.decode())
     _run_as_main(sys.argv[0])
 
 

@@ -23,7 +23,6 @@ import logging
 import mmap
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from elastic import channel
 from launcher.workers import failure_evidence
-from launcher.workers.process_tree import is_stopped, own_children, signal_group
+from launcher.workers.process_tree import WorkerProcess, is_stopped, own_children, signal_group
 from launcher.workers.watchdog_rules import STALL_MIN_S, Hang, Policy, Stall, StartupHistory, WorkerWatch, stall_of
 
 logger = logging.getLogger(__name__)
@@ -83,7 +82,7 @@ class Watchdog:
     def hang(self, local_rank: int) -> Hang | None:
         return self.workers[local_rank].hang if local_rank < len(self.workers) else None
 
-    def check(self, processes: list[subprocess.Popen], first_rank: int = 0) -> None:
+    def check(self, processes: list[WorkerProcess], first_rank: int = 0) -> None:
         """Read every running worker's channel; dump and kill the hung ones (never blocks)."""
         self.stall = None
         if self.policy is None:
@@ -124,7 +123,7 @@ class Watchdog:
         if running and not any(worker.hang for worker in self.workers):
             self.stall = stall_of([(w.watch.silent_for(now), w.watch.current()) for w in self.workers])
 
-    def stopped(self, processes: list[subprocess.Popen]) -> list[int]:
+    def stopped(self, processes: list[WorkerProcess]) -> list[int]:
         """The local ranks of the running workers whose process is stopped (SIGSTOP): they answer nothing."""
         return [
             local_rank
@@ -171,7 +170,7 @@ class Watchdog:
         """What each worker said of drains (None: its channel cannot be read)."""
         return [channel.read_drain(w.view) if self._open(w) else None for w in self.workers]
 
-    def _find_hang(self, policy: Policy, worker: _Worker, process: subprocess.Popen, now: float) -> Hang | None:
+    def _find_hang(self, policy: Policy, worker: _Worker, process: WorkerProcess, now: float) -> Hang | None:
         """The worker's hang, with the peers its stalled connections lead to, if it is hung."""
         if not self._open(worker):
             return None
@@ -207,21 +206,21 @@ class Watchdog:
                 return False
         return True
 
-    def _stopped(self, worker: _Worker, process: subprocess.Popen) -> bool:
+    def _stopped(self, worker: _Worker, process: WorkerProcess) -> bool:
         """Whether the worker's process is stopped: the one that owns its channel; before it opened it, the
         process we started or one of its children (under a supervisor, the worker is its child)."""
         owner = self._owner(worker, process)
         candidates = [owner] if owner != process.pid else [process.pid, *own_children(process.pid)]
         return any(is_stopped(pid) for pid in candidates)
 
-    def _owner(self, worker: _Worker, process: subprocess.Popen) -> int:
+    def _owner(self, worker: _Worker, process: WorkerProcess) -> int:
         """The worker's own pid, from its channel, if it is `process` or below it (a supervisor, a wrapper)."""
         snapshot = worker.watch.snapshot
         if snapshot is not None and snapshot.pid and _descends_from(snapshot.pid, process.pid):
             return snapshot.pid
         return process.pid
 
-    def _dump(self, worker: _Worker, process: subprocess.Popen) -> float:
+    def _dump(self, worker: _Worker, process: WorkerProcess) -> float:
         """Ask for the stack dump; the seconds to wait before the kill."""
         snapshot = worker.watch.snapshot
         owner = self._owner(worker, process)
@@ -235,7 +234,7 @@ class Watchdog:
         signal_group(process, signal.SIGCONT)
         return DUMP_GRACE_S
 
-    def _kill(self, worker: _Worker, process: subprocess.Popen) -> float:
+    def _kill(self, worker: _Worker, process: WorkerProcess) -> float:
         """SIGKILL the worker; the seconds until its whole process group gets SIGKILL too.
 
         A worker that is our child leads its process group: the group dies at once. One under a supervisor

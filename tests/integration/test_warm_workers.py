@@ -1,4 +1,4 @@
-"""Warm workers: a pre-started interpreter becomes `python script.py args`, or is passed over for a cold start."""
+"""Warm workers: a fork of the node's zygote becomes `python script.py args`, or is passed over for a cold start."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launcher.workers.process_tree import child_pids
-from launcher.workers.warm_interpreter import IDLE_NAME, torch_imports
+from launcher.workers.warm_interpreter import torch_imports
 from launcher.workers.warm_pool import WarmPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,7 +33,6 @@ sys.exit(int(os.environ["MODE"]))
 @pytest.fixture
 def pool():
     warm = WarmPool(dict(os.environ, WARM_TEST="1"), nproc=1, argv=["train.py", "--lr", "0.1"])
-    warm.fill()
     yield warm
     warm.close()
 
@@ -70,97 +69,132 @@ def test_the_script_runs_as_python_would_run_it(pool, tmp_path):
 
 def test_exit_code_and_uncaught_exception_are_the_scripts(pool, tmp_path):
     assert launch(pool, tmp_path, "7")[0] == 7
-    pool.fill()
     code, _, err = launch(pool, tmp_path, "raise")
     assert code == 1
     assert err.startswith("to stderr\nTraceback (most recent call last):\n") and "ValueError: bad batch" in err
     assert "warm_interpreter" not in err, "the traceback starts at the script, as a cold worker's does"
-    pool.fill()
     code, _, err = launch(pool, tmp_path, "interrupt")
     assert code == -signal.SIGINT and "KeyboardInterrupt" in err, "Python dies by SIGINT on an uncaught Ctrl-C"
 
 
-def test_a_different_environment_or_a_dead_interpreter_means_a_cold_start(pool):
+def test_a_different_environment_means_a_cold_start_and_a_dead_worker_a_new_fork(pool):
     assert pool.take(0, dict(pool.env, OMP_NUM_THREADS="7")) is None, "OpenMP read the old value at import"
-    assert pool.take(0, pool.env) is None, "passed over: nothing left for this rank until the next fill"
-    pool.fill()
     warm = pool.take(0, pool.env)
+    assert warm is not None, "forked on demand: the pool had none left for this rank"
     os.kill(warm.process.pid, signal.SIGKILL)
-    warm.process.wait(timeout=10)
+    assert warm.process.wait(timeout=10) == -signal.SIGKILL, "its exit code, as the zygote reaped it"
     pool._workers[0] = warm  # as if it had died while waiting in the pool
-    assert pool.take(0, pool.env) is None
+    fresh = pool.take(0, pool.env)
+    assert fresh is not None and fresh.process.pid != warm.process.pid
+    fresh.close()
 
 
-def test_waiting_interpreters_are_not_taken_for_workers_from_their_start_to_their_launch(pool, tmp_path):
+def test_warm_workers_are_forks_of_one_zygote_and_start_with_fresh_seeds(tmp_path):
+    """Two ranks' warm workers come from the one interpreter that imported torch; each has its own random
+    state, as two fresh interpreters would (numpy's global generator is not reseeded by fork itself)."""
+    pool = WarmPool(dict(os.environ), nproc=2, argv=["train.py"])
+    try:
+        assert pool.wait_ready(60, interrupted=lambda: False) and pool.fill()
+        zygote = pool._zygote.process.pid
+        supervisors = [pool._workers[r].process.pid for r in range(2)]
+        assert set(supervisors) <= set(_children(zygote)), "forked by the zygote, not started by the agent"
+        script = tmp_path / "seeds.py"
+        script.write_text("import random, numpy\nprint(random.random(), numpy.random.rand())\n")
+        seen = []
+        for local_rank in range(2):
+            out = tmp_path / f"out{local_rank}"
+            with open(out, "wb") as file:
+                assert pool.take(local_rank, pool.env).launch(dict(os.environ), [str(script)], file.fileno(), 2)
+            seen.append(out)
+        for supervisor in supervisors:
+            assert _wait_gone(supervisor, zygote)
+        first, second = (out.read_text().split() for out in seen)
+        assert first[0] != second[0] and first[1] != second[1], (first, second)
+    finally:
+        pool.close()
+
+
+def _wait_gone(pid: int, parent: int) -> bool:
+    deadline = time.monotonic() + 30
+    while pid in _children(parent):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_waiting_workers_are_not_taken_for_workers_from_their_fork_to_their_launch(pool, tmp_path):
+    assert pool.wait_ready(60, interrupted=lambda: False) and pool.fill()
     supervisor = pool._workers[0].process.pid
 
     def taken_for_a_worker() -> bool:  # this process may have other children: only the pool's are looked at
         return bool({supervisor, *_children(supervisor)} & set(child_pids(os.getpid())))
 
-    assert not taken_for_a_worker(), "just started: not yet named, still a spare"
-    deadline = time.monotonic() + 20
-    while not any(Path(f"/proc/{p}/comm").read_text().strip() == IDLE_NAME for p in _children(supervisor)):
-        assert time.monotonic() < deadline, "the interpreter names itself as waiting"
-        time.sleep(0.05)
-    assert not taken_for_a_worker()
+    assert not taken_for_a_worker(), "forked and waiting: a spare"
+    assert pool._zygote.process.pid not in child_pids(os.getpid()), "the zygote is never a worker"
     script = tmp_path / "sleeper.py"
     script.write_text("import socket, time\nkeep = [socket.socket() for _ in range(8)]\ntime.sleep(30)\n")
     warm = pool.take(0, pool.env)
     assert warm is not None and warm.launch(pool.env, [str(script)], 1, 2)
+    deadline = time.monotonic() + 20
     try:
         while not taken_for_a_worker():
-            assert time.monotonic() < deadline, "a launched interpreter is a worker, its control socket's number reused"
+            assert time.monotonic() < deadline, "a launched worker is a worker"
             time.sleep(0.05)
         assert _children(supervisor)[0] in child_pids(os.getpid()), "the worker itself, seen through its supervisor"
     finally:
-        warm.process.kill()
+        os.killpg(supervisor, signal.SIGKILL)
         warm.process.wait(timeout=10)
 
 
 def _children(pid: int) -> list[int]:
-    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def test_closing_the_pool_ends_idle_interpreters():
-    pool = WarmPool(dict(os.environ), nproc=2, argv=["train.py"])
-    pool.fill()
-    processes = [w.process for w in pool._workers.values()]
-    pool.close()
-    assert all(p.poll() is not None for p in processes)
-
-
-def test_a_pool_is_ready_once_every_interpreter_imported_torch_or_exited():
-    pool = WarmPool(dict(os.environ), nproc=2, argv=["train.py"])
-    pool.fill()
     try:
-        assert not pool.wait_ready(30, interrupted=lambda: True), "interrupted (a signal) before they are ready"
-        assert pool._workers[0].still_importing(), "torch takes a second or more to import"
-        importing = pool._workers[1].process
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_closing_the_pool_ends_the_zygote_and_its_waiting_workers():
+    pool = WarmPool(dict(os.environ), nproc=2, argv=["train.py"])
+    assert pool.wait_ready(60, interrupted=lambda: False) and pool.fill()
+    processes = [w.process for w in pool._workers.values()]
+    zygote = pool._zygote.process
+    pool.close()
+    assert zygote.poll() is not None
+    assert all(p.wait(timeout=10) is not None for p in processes)
+
+
+def test_a_pool_is_ready_once_the_zygote_imported_torch_and_a_zygote_that_died_is_replaced():
+    pool = WarmPool(dict(os.environ), nproc=2, argv=["train.py"])
+    try:
+        assert not pool.fill(), "the zygote is still importing: nothing to fork yet"
+        assert not pool.wait_ready(30, interrupted=lambda: True), "interrupted (a signal) before it is ready"
         started = time.monotonic()
         assert pool.wait_ready(60, interrupted=lambda: False)
-        assert importing.poll() is None, "ready and waiting for its round"
-        assert not any(warm.still_importing() for warm in pool._workers.values())
-        print(f"\ntwo warm interpreters ready in {time.monotonic() - started:.1f}s")
+        print(f"\nzygote ready in {time.monotonic() - started:.1f}s")
+        assert pool.fill()
+        waiting = pool._workers[0].process
+        pool._zygote.process.kill()
+        pool._zygote.process.wait()
+        assert waiting.wait(timeout=10) == -signal.SIGKILL, "its workers die with it"
+        assert pool.wait_ready(60, interrupted=lambda: False), "a zygote that was ready and died is started again"
+        assert pool.fill()
     finally:
         pool.close()
-    dead = WarmPool(dict(os.environ), nproc=1, argv=["train.py"])
-    dead.fill()
+    broken = WarmPool(dict(os.environ, PYTHONPATH="/nonexistent", PYTHONHOME="/nonexistent"), 1, ["train.py"])
     try:
-        dead._workers[0].process.kill()
-        dead._workers[0].process.wait()
-        assert not dead._workers[0].still_importing(), "an interpreter that exited imports nothing more"
         started = time.monotonic()
-        assert dead.wait_ready(30, interrupted=lambda: False), "an interpreter that exited is nothing to wait for"
-        assert time.monotonic() - started < 2, "its socket closed: not waited for until it would have imported"
+        assert not broken.wait_ready(30, interrupted=lambda: False), "a zygote that cannot start is not waited for"
+        assert time.monotonic() - started < 10
+        assert broken.take(0, broken.env) is None, "its ranks start cold"
     finally:
-        dead.close()
+        broken.close()
 
 
-def test_a_launch_sent_before_the_interpreter_finished_importing_still_runs(tmp_path):
-    """The agent hands a round over and closes its end while the interpreter still imports: its READY then
-    finds nobody to read it, and the launch waiting in the socket must run all the same."""
+def test_a_rank_taken_while_the_zygote_imports_waits_for_it_and_runs(tmp_path):
+    """The round starts while the zygote still imports torch: the rank waits for it rather than importing
+    torch a second time in a cold interpreter."""
     pool = WarmPool(dict(os.environ, WARM_TEST="1"), nproc=1, argv=["train.py"])
-    pool.fill()
     try:
         code, out, _ = launch(pool, tmp_path, "0")  # at once: torch is far from imported yet
         assert code == 0 and json.loads(out)["argv"][1:] == ["--lr", "0.1"]

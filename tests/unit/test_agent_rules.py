@@ -263,9 +263,9 @@ def test_standby_controllers_spread_their_claims_by_the_size_of_the_round(member
     assert rules.claim_spread(members) == pytest.approx(spread)
 
 
-@pytest.mark.parametrize("longest, expected", [(None, 105.0), (1.0, 105.0), (4.0, 108.0)])
-def test_the_warm_pool_refills_once_the_round_is_past_its_start_up(longest, expected):
-    assert rules.refill_warm_at(100.0, longest) == expected
+@pytest.mark.parametrize("filled, expected", [(None, 100.2), (False, 100.5)])
+def test_the_warm_pool_refills_right_after_a_launch_and_retries_while_the_zygote_imports(filled, expected):
+    assert rules.refill_warm_at(100.0, filled) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
