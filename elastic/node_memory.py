@@ -8,17 +8,22 @@ An agent killed by SIGKILL cannot remove its folder, and tmpfs holds it until th
 names its owner (``owner.json``: pid, the process's start time, its pid namespace), and an agent that starts frees
 the folders whose owner is gone: in its own pid namespace only, since another container sharing ``/dev/shm``
 has pids this one cannot see. One agent on a host sweeps per minute (a stamp file says when), so that a host
-running many agents does not read every folder's owner once per agent.
+running many agents does not read every folder's owner once per agent. Making a folder and sweeping hold one
+lock of the host (``flock`` on a file beside the folders): an agent restarted with its node id re-creates the
+folder a sweeper just found abandoned, and the sweep must not delete the new one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -29,6 +34,7 @@ OWNER = "owner.json"
 SWEEP_EVERY_S = 60.0
 _PREFIX = "elastic-"
 _SWEPT = ".elastic-memory-swept"
+_LOCK = ".elastic-memory-lock"
 
 
 def node_memory_dir(job_id: str, node_id: str) -> Path:
@@ -58,9 +64,11 @@ def memory_dir_from_env() -> Path | None:
 def create_empty(folder: Path) -> None:
     """Make ``folder`` empty, private and this process's; what an earlier agent of this node left there is not
     this one's."""
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(mode=0o700, parents=True)
-    (folder / OWNER).write_text(json.dumps(_identity(os.getpid())))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _host_lock(folder.parent):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(mode=0o700)
+        (folder / OWNER).write_text(json.dumps(_identity(os.getpid())))
 
 
 def remove_abandoned(base: Path) -> list[Path]:
@@ -75,17 +83,25 @@ def remove_abandoned(base: Path) -> list[Path]:
     stamp.touch()
     namespace = _identity(os.getpid())["namespace"]
     removed = []
-    for folder in base.glob(f"{_PREFIX}*"):
-        try:
-            owner = json.loads((folder / OWNER).read_text())
-        except (OSError, ValueError):
-            continue  # not a folder of ours, or one being created
-        if owner.get("namespace") != namespace or _identity(owner["pid"]) == owner:
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
-        logger.info("freed %s: memory snapshots of an agent that is gone (pid %s)", folder, owner["pid"])
+    with _host_lock(base):
+        for folder in base.glob(f"{_PREFIX}*"):
+            try:
+                owner = json.loads((folder / OWNER).read_text())
+            except (OSError, ValueError):
+                continue  # not a folder of ours
+            if owner.get("namespace") != namespace or _identity(owner["pid"]) == owner:
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+            logger.info("freed %s: memory snapshots of an agent that is gone (pid %s)", folder, owner["pid"])
     return removed
+
+
+@contextlib.contextmanager
+def _host_lock(base: Path) -> Iterator[None]:
+    with open(base / _LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def remove(folder: Path) -> None:

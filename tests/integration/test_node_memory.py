@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -41,6 +43,7 @@ def test_folders_whose_owner_is_gone_are_freed_and_no_other(tmp_path):
 
     assert node_memory.remove_abandoned(tmp_path) == [abandoned]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".elastic-memory-lock",
         ".elastic-memory-swept",
         "elastic-job-a",
         "elastic-job-c",
@@ -57,3 +60,36 @@ def test_one_agent_per_minute_sweeps_a_host(tmp_path):
     stamp = tmp_path / ".elastic-memory-swept"
     os.utime(stamp, (time.time() - node_memory.SWEEP_EVERY_S - 1,) * 2)
     assert node_memory.remove_abandoned(tmp_path) == [abandoned]
+
+
+def test_an_agent_restarted_with_its_node_id_keeps_its_folder_while_another_sweeps(tmp_path):
+    """An agent restarted with the same --node-id re-creates its folder while another agent of the host sweeps:
+    the sweeper read the old owner (gone), and must not then delete the new folder, nor pull it away while it is
+    being made (FileNotFoundError in create_empty)."""
+    folder = tmp_path / "elastic-job-b"
+    owned_by_a_process_that_exited(folder)
+    dead_owner = (folder / node_memory.OWNER).read_text()
+    stop, errors = threading.Event(), []
+
+    def sweep() -> None:
+        while not stop.is_set():
+            (tmp_path / ".elastic-memory-swept").unlink(missing_ok=True)
+            try:
+                node_memory.remove_abandoned(tmp_path)
+            except OSError as exc:
+                errors.append(exc)
+
+    sweeper = threading.Thread(target=sweep)
+    sweeper.start()
+    try:
+        for _ in range(300):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            (folder / node_memory.OWNER).write_text(dead_owner)  # what the killed agent left
+            node_memory.create_empty(folder)
+            time.sleep(0.001)  # a sweep that read the dead owner before create_empty would delete it now
+            assert json.loads((folder / node_memory.OWNER).read_text())["pid"] == os.getpid()
+    finally:
+        stop.set()
+        sweeper.join()
+    assert not errors, errors[:3]
