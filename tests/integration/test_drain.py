@@ -63,8 +63,8 @@ def assert_nothing_redone(tmp_path, steps: int, cluster) -> dict[int, set[int]]:
 
 
 def test_a_scale_up_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
-    # ~0.1 s a step, and the joiner registers only once its warm interpreters imported torch (4 s here, more
-    # under a loaded suite): enough steps that the job is still training when it does
+    # ~0.1 s a step, and the joiner registers only once its zygote imported torch (2 s here, more under a loaded
+    # suite): enough steps that the job is still training when it does
     steps = 200
     agents, start = start_training(cluster, tmp_path, "ab", steps)
     agents.append(start("c"))
