@@ -361,7 +361,7 @@ class WorkerGroup:
                 rank=self.member.first_rank + local_rank,
                 exit_code=_exit_code(self.processes[local_rank]),  # one left alive for the next round: 1
                 time=hang.failed_at(dump),
-                message=hang.describe(dump),
+                message=hang.describe(dump, spared=self.watchdog.spared(local_rank)),
                 traceback=dump[-8000:] or traceback,
                 hung=True,
                 seconds_silent=round(hang.seconds_silent, 3),

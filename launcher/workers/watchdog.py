@@ -99,11 +99,11 @@ class Watchdog:
                     stopped = self._stopped(worker, process)
                     worker.spared = self.spare_reentrant and not stopped and self._inprocess(worker)
                     logger.error(
-                        "worker local_rank %d (rank %d) is hung: %s; dumping its stacks, then killing its "
-                        "process group",
+                        "worker local_rank %d (rank %d) is hung: %s; dumping its stacks, then %s",
                         local_rank,
                         first_rank + local_rank,
                         worker.hang.summary(),
+                        "leaving it alive for the next round" if worker.spared else "killing its process group",
                     )
                     worker.kill_at = now + self._dump(worker, process)
             if worker.kill_at is not None and now >= worker.kill_at:

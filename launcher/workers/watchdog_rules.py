@@ -185,12 +185,14 @@ class Hang:
         stalled = f"; stalled connections to {', '.join(self.stalled_peers)}" if self.stalled_peers else ""
         return f"no heartbeat for {self.seconds_silent:.1f}s {step}{inside} ({kind} {self.allowance:g}s){stalled}"
 
-    def describe(self, dump: str = "") -> str:
+    def describe(self, dump: str = "", spared: bool = False) -> str:
         """The failure message: what the membership log and the job's failure summary show; its stack `dump`
-        (from its stderr log, when redirected) adds where its main thread was."""
+        (from its stderr log, when redirected) adds where its main thread was. `spared`: left alive for the next
+        round (it runs under elastic.run), not killed."""
         frame = main_thread_frame(dump)
         inside = f" in {frame.function} ({os.path.basename(frame.file)}:{frame.line})" if frame else ""
-        return f"hung{inside}: {self.summary()}; stacks dumped to its stderr, process group killed"
+        fate = "left alive to take the next round in process" if spared else "process group killed"
+        return f"hung{inside}: {self.summary()}; stacks dumped to its stderr, {fate}"
 
     def waited_on_peer(self, dump: str = "") -> bool:
         """Whether its main thread sat in a torch.distributed call (a collective, process-group set-up)."""
