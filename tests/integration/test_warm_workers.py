@@ -91,7 +91,8 @@ def test_a_different_environment_means_a_cold_start_and_a_dead_worker_a_new_fork
 
 def test_warm_workers_are_forks_of_one_zygote_and_start_with_fresh_seeds(tmp_path):
     """Two ranks' warm workers come from the one interpreter that imported torch; each has its own random
-    state, as two fresh interpreters would (numpy's global generator is not reseeded by fork itself)."""
+    state, as two fresh interpreters would (numpy's global generator is not reseeded by fork itself); the
+    objects of torch's import are frozen (gc.freeze), out of the collector's way."""
     pool = WarmPool(dict(os.environ), nproc=2, argv=["train.py"])
     try:
         assert pool.wait_ready(60, interrupted=lambda: False) and pool.fill()
@@ -99,7 +100,9 @@ def test_warm_workers_are_forks_of_one_zygote_and_start_with_fresh_seeds(tmp_pat
         supervisors = [pool._workers[r].process.pid for r in range(2)]
         assert set(supervisors) <= set(_children(zygote)), "forked by the zygote, not started by the agent"
         script = tmp_path / "seeds.py"
-        script.write_text("import random, numpy\nprint(random.random(), numpy.random.rand())\n")
+        script.write_text(
+            "import gc, random, numpy\nprint(random.random(), numpy.random.rand(), gc.get_freeze_count())\n"
+        )
         seen = []
         for local_rank in range(2):
             out = tmp_path / f"out{local_rank}"
@@ -110,6 +113,7 @@ def test_warm_workers_are_forks_of_one_zygote_and_start_with_fresh_seeds(tmp_pat
             assert _wait_gone(supervisor, zygote)
         first, second = (out.read_text().split() for out in seen)
         assert first[0] != second[0] and first[1] != second[1], (first, second)
+        assert int(first[2]) > 10_000, "what the zygote imported is frozen: a collection in the worker skips it"
     finally:
         pool.close()
 
