@@ -220,14 +220,16 @@ class WorkerGroup:
             elif local_rank not in self._raised and self._error_file_written(local_rank):
                 self._raised.add(local_rank)
         # a worker the watchdog found hung failed, even if it exited 0 once continued for its stack dump; while
-        # the watchdog dumps and kills one, failures wait for its exit, so that it is among them
+        # the watchdog dumps and kills one, failures wait for its exit, so that it is among them. A hung worker
+        # left alive (it only waited on a peer) waits too: reported at once, it made the round change before
+        # its node's stopped worker, the cause, was killed and reported, and the log named only the bystanders
         acting = self.watchdog.acting()
         failures = [
             self._failure(r)
             for r, p in enumerate(self.processes)
             if p.returncode not in (None, 0)
             or (p.returncode == 0 and self.watchdog.hang(r))
-            or (p.returncode is None and self.watchdog.spared(r))
+            or (p.returncode is None and self.watchdog.spared(r) and not acting)
             or (r in self._raised and p.returncode is None and not acting and not self.watchdog.hang(r))
         ]
         if failures:

@@ -138,7 +138,7 @@ def test_a_crashed_and_then_a_stopped_worker_are_replaced_while_their_peers_reen
     round_2 = {r["pid"] for r in records(samples) if r["round"] == 2}
     assert round_1[3] not in round_2 and len(round_2 & set(round_1.values())) == 3, cluster.dump()
     fates = {e["rank"]: e["message"] for e in cluster.events("worker_hung") if e["round"] == 1}
-    assert fates[3].endswith("process group killed"), fates  # the stopped one
+    assert fates.get(3, "").endswith("process group killed"), json.dumps(cluster.log("job"), indent=0)  # stopped
     spared = [message for rank, message in fates.items() if rank != 3]
     assert all(m.endswith("left alive to take the next round in process") for m in spared), fates
     counts = {
