@@ -18,6 +18,7 @@ from launcher.rendezvous.records import DrainReport, DrainRequest, MasterRecord,
 from launcher.workers.group import WorkerOutcome
 from launcher.workers.warm_pool import WarmPool
 from launcher.workers.watchdog_rules import Stall, StartupHistory
+from launcher.workers.zygote import RoundStore
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class RoundWorkers:
         # the last round's group, kept between rounds with --inprocess: its workers under elastic.run take the
         # next round in process; the rest are stopped when it is retired
         self.retired: Any = None
+        self.torch_store: RoundStore | None = None  # the round's TCPStore, when this node serves it
 
     @property
     def running(self) -> bool:
@@ -72,13 +74,20 @@ class RoundWorkers:
         return self.group.latest_step() if self.group is not None else None
 
     def start(self, run: RoundRun, member: Member, master: MasterRecord | None) -> None:
-        if master is None:  # we are group rank 0: publish where our store will listen
-            master = MasterRecord(addr=member.addr, port=free_port(member.addr))
+        torch_store = None
+        if master is None:  # we are group rank 0: serve the round's store, or publish where rank 0 will
+            torch_store = self.warm.serve_store(member.addr, run.header.world_size) if self.warm is not None else None
+            port = torch_store.port if torch_store is not None else free_port(member.addr)
+            master = MasterRecord(addr=member.addr, port=port, agent_store=torch_store is not None)
             if not self.store.publish_master(run.round, run.revision, master):
+                if torch_store is not None:
+                    torch_store.close()
                 return  # the round moved on; the next step enters the new one
         self.group = self.factory(self.config, run.header, member, master, self.startups, self.warm)
         self.group.start(self.retired)
         self.retired = None
+        self._close_torch_store()  # the last round's: its workers are stopped or took this round
+        self.torch_store = torch_store
         run.phase = Phase.RUNNING
         run.refill_warm_at = rules.refill_warm_at(time.monotonic()) if self.warm else None
 
@@ -187,6 +196,12 @@ class RoundWorkers:
         if self.group is not None:
             self.group.stop(signum)
             self.group = None
+        self._close_torch_store()
+
+    def _close_torch_store(self) -> None:
+        if self.torch_store is not None:
+            self.torch_store.close()
+            self.torch_store = None
 
     def stop_retired(self, signum: int = signal.SIGTERM) -> None:
         if self.retired is not None:

@@ -233,10 +233,13 @@ class RoundRecord(Record):
 
 
 class MasterRecord(Record):
-    """Where a round's rank 0 serves its store: a fresh port every round, so no round reads another's keys."""
+    """Where a round's store is served: a fresh port every round, so no round reads another's keys. By group
+    rank 0's agent, through a process forked from its zygote (`agent_store`: the workers connect as clients,
+    TORCHELASTIC_USE_AGENT_STORE=True), or else by rank 0's worker."""
 
     addr: str
     port: int
+    agent_store: bool = False
 
 
 class WorkerFailure(Record):

@@ -49,8 +49,9 @@ def worker_env(
         TORCHELASTIC_RESTART_COUNT=str(round_.restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
         TORCHELASTIC_RUN_ID=config.rdzv_id,
-        # rank 0 serves a fresh store on the round's own port: no key of an earlier round can be read back
-        TORCHELASTIC_USE_AGENT_STORE="False",
+        # a fresh store on the round's own port, served by group rank 0's agent (listening before any worker
+        # starts) or by rank 0: no key of an earlier round can be read back
+        TORCHELASTIC_USE_AGENT_STORE=str(master.agent_store),
         TORCHELASTIC_ERROR_FILE=str(error_file),
         # as torchrun: the user's value wins; by default a failed NCCL collective tears its process down
         TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, Protocol
 
-from launcher.workers.warm_interpreter import IDLE_NAME, SUPERVISOR_NAME, ZYGOTE_NAME, set_process_name
+from launcher.workers.warm_interpreter import IDLE_NAME, STORE_NAME, SUPERVISOR_NAME, ZYGOTE_NAME, set_process_name
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -241,8 +241,8 @@ def _worker_of(supervisor: int, children: dict[int, list[int]], processes: dict[
         if child == supervisor:  # it may have forked since the snapshot: a forked supervisor names itself after
             child = next(iter(own_children(supervisor)), supervisor)
     # a warm worker is named so from its fork until its launch; its supervisor has the zygote's name until the
-    # worker is forked, and its own after
-    return None if _process_name(child) in (IDLE_NAME, ZYGOTE_NAME) else child
+    # worker is forked, and its own after; the round's store, forked from the zygote too, is no worker
+    return None if _process_name(child) in (IDLE_NAME, ZYGOTE_NAME, STORE_NAME) else child
 
 
 # -- the supervisor, run as `python -I -S -c _SUPERVISE MARK ROOT PARENT_PID COMMAND...` ----------------------

@@ -48,6 +48,7 @@ MAX_LAUNCH_FDS = 8  # stdout, stderr and the descriptors named in `fd_env`
 ZYGOTE_NAME = "elastic-zygote"
 SUPERVISOR_NAME = "elastic-superv"
 IDLE_NAME = "elastic-warm"
+STORE_NAME = "elastic-store"
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
 # What an FSDP2 + DCP training script pays for in its first second besides torch itself, measured on
@@ -128,11 +129,14 @@ def _serve(requests: socket.socket, start_worker, supervise) -> socket.socket:
             os._exit(0)
         if not fds:
             continue
+        order = json.loads(message)
         pid = os.fork()
         if pid == 0:
             requests.close()
             for fd in supervisors:
                 os.close(fd)
+            if "store" in order:
+                _serve_store(socket.socket(fileno=fds[0]), **order["store"])
             os.setsid()  # the supervisor leads its group, as a cold one started with start_new_session does
             try:
                 supervise(zygote, start_worker, name=SUPERVISOR_NAME)
@@ -141,6 +145,28 @@ def _serve(requests: socket.socket, start_worker, supervise) -> socket.socket:
         os.close(fds[0])
         supervisors[os.pidfd_open(pid)] = pid
         _send(requests, {"forked": pid})
+
+
+def _serve_store(control: socket.socket, host: str, world_size: int) -> None:
+    """In a process just forked from the zygote: serve a round's TCPStore (what torchrun's agent serves with
+    TORCHELASTIC_USE_AGENT_STORE) on a port of its own, say which on `control`, and serve until `control` closes
+    (the round is over) or the zygote dies. Listening before any worker starts, it spares the workers torch's
+    half-second back-off after a refused connection, which they met when rank 0 had not yet started its own."""
+    try:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        set_process_name(STORE_NAME)
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore(host, 0, world_size, True, timedelta(seconds=60), wait_for_workers=False, use_libuv=True)
+        control.send(json.dumps({"port": store.port}).encode())
+        control.recv(1)
+    except BaseException as exc:  # noqa: BLE001 - nothing may return into the zygote's loop in this child
+        os.write(2, f"elastic-run: the round's store could not be served: {exc!r}\n".encode())
+        os._exit(1)
+    os._exit(0)
 
 
 def _start_warm_worker(supervisor: int, handlers: dict) -> None:

@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from launcher.workers.process_tree import stop_group
-from launcher.workers.zygote import ForkedProcess, Zygote
+from launcher.workers.warm_interpreter import MAX_MESSAGE_BYTES
+from launcher.workers.zygote import ForkedProcess, RoundStore, Zygote
 
 logger = logging.getLogger(__name__)
 
 JOIN_WAIT_S = 60.0  # past it, a node joining a running job registers anyway: its ranks start when they can
+STORE_START_S = 5.0  # a store forked from the zygote listens in milliseconds
 
 
 @dataclass
@@ -131,6 +134,27 @@ class WarmPool:
         if warm is None:
             logger.info("local rank %d starts cold: no warm worker could be forked", local_rank)
         return warm
+
+    def serve_store(self, host: str, world_size: int) -> RoundStore | None:
+        """A round's store, listening before any worker starts (None: the zygote is not ready, or the store did
+        not start within `STORE_START_S`; rank 0 serves it then)."""
+        zygote = self._zygote_started()
+        zygote.collect(0)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            process = zygote.fork(theirs, {"store": {"host": host, "world_size": world_size}})
+        answer = b""
+        if process is not None and select.select([ours], [], [], STORE_START_S)[0]:
+            try:
+                answer = ours.recv(MAX_MESSAGE_BYTES)
+            except OSError:
+                pass
+        if process is None or not answer:
+            if process is not None:
+                logger.warning("the round's store did not start within %gs: rank 0 serves it", STORE_START_S)
+            ours.close()
+            return None
+        return RoundStore(process, ours, json.loads(answer)["port"])
 
     def close(self) -> None:
         self._discard(list(self._workers.values()))

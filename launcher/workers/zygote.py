@@ -68,13 +68,14 @@ class Zygote:
             self.collect(min(left, 0.1))
         return self.ready
 
-    def fork(self, control: socket.socket) -> ForkedProcess | None:
+    def fork(self, control: socket.socket, order: dict | None = None) -> ForkedProcess | None:
         """A warm worker forked with `control` (the worker's end of its control socket) and its supervisor's
-        stand-in; None if the zygote is not ready, gone or stuck."""
+        stand-in, or with `order` {"store": {"host": addr, "world_size": N}} a round's store; None if the zygote is not
+        ready, gone or stuck."""
         if not self.ready:
             return None
         try:
-            socket.send_fds(self.channel, [b'{"fork": true}'], [control.fileno()])
+            socket.send_fds(self.channel, [json.dumps(order or {"fork": True}).encode()], [control.fileno()])
         except OSError:
             return None
         deadline = time.monotonic() + FORK_TIMEOUT_S
@@ -150,3 +151,16 @@ class ForkedProcess:
                 self.zygote.collect(0.05 if left is None else min(left, 0.05))
         assert self.returncode is not None
         return self.returncode
+
+
+class RoundStore:
+    """A round's TCPStore, served by a process forked from the zygote until `close`."""
+
+    def __init__(self, process: ForkedProcess, control: socket.socket, port: int) -> None:
+        self.process = process
+        self.control = control
+        self.port = port
+
+    def close(self) -> None:
+        """End it: the process exits when its control socket closes (the zygote reaps it)."""
+        self.control.close()

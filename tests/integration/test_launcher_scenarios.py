@@ -62,6 +62,9 @@ def test_unmodified_torchrun_script_gets_torchruns_environment(cluster, tmp_path
         assert env["argv"] == [str(script), str(out), "3"] and env["path0"] == str(script.parent)
         assert env["file"] == str(script) and env["name"] == "__main__" and env["main_is_this"]
     assert len({env["MASTER_PORT"] for env in records.values()}) == 1
+    # group rank 0's zygote serves the store once it is ready (round 0 may start before), else rank 0 does
+    assert len({env["TORCHELASTIC_USE_AGENT_STORE"] for env in records.values()}) == 1
+    assert warm or records[0]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
     memory_dirs = {env["ELASTIC_MEMORY_DIR"] for env in records.values()}  # one per node, there while it ran
     assert len(memory_dirs) == 2 and all(env["memory_dir_is_dir"] for env in records.values())
     assert not any(Path(folder).exists() for folder in memory_dirs), "the agents free the snapshots' memory"

@@ -222,3 +222,26 @@ def test_an_interpreter_preloads_the_torch_modules_its_script_imports(tmp_path):
     ]
     script.write_text("import torch\ndef broken(:\n")
     assert torch_imports(str(script)) == [] and torch_imports(str(tmp_path / "missing.py")) == []
+
+
+def test_a_round_store_forked_from_the_zygote_serves_until_the_round_closes_it():
+    """Group rank 0's agent serves the round's TCPStore from a fork of its zygote, listening before any worker
+    starts (a worker connecting before rank 0 listened waited out torch's half-second back-off)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    pool = WarmPool(dict(os.environ), nproc=1, argv=["train.py"])
+    try:
+        assert pool.serve_store("127.0.0.1", 2) is None, "the zygote still imports: rank 0 serves the store"
+        assert pool.wait_ready(60, interrupted=lambda: False)
+        store = pool.serve_store("127.0.0.1", 2)
+        assert store is not None and store.process.pid in _children(pool._zygote.process.pid)
+        assert store.process.pid not in child_pids(os.getpid()), "the store is no worker"
+        client = TCPStore("127.0.0.1", store.port, 2, False, timedelta(seconds=10))
+        client.set("round", "1")
+        assert TCPStore("127.0.0.1", store.port, 2, False, timedelta(seconds=10)).get("round") == b"1"
+        store.close()
+        assert store.process.wait(timeout=10) == 0
+    finally:
+        pool.close()
