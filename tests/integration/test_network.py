@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from launcher.rendezvous.records import MasterRecord
 from launcher.workers import network
 from launcher.workers.environment import worker_env
 from launcher.workers.network import gloo_interface_env, interface_holding
@@ -50,7 +51,7 @@ def fake_member(addr: str) -> tuple:
     )
     member = SimpleNamespace(node="n0", group_rank=0, nproc=2, first_rank=0, addr=addr)
     round_ = SimpleNamespace(round=0, size=1, world_size=2, restart_count=0)
-    master = SimpleNamespace(addr=addr, port=29500)
+    master = MasterRecord(addr=addr, port=29500)
     return config, round_, member, master
 
 
