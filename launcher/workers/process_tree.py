@@ -30,7 +30,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, Protocol
 
-from launcher.workers.warm_interpreter import IDLE_NAME, STORE_NAME, SUPERVISOR_NAME, ZYGOTE_NAME, set_process_name
+from launcher.workers.warm_interpreter import (
+    IDLE_NAME,
+    STORE_NAME,
+    SUPERVISOR_NAME,
+    ZYGOTE_NAME,
+    process_name,
+    set_process_name,
+)
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -198,19 +205,12 @@ def kill_descendants(pid: int, timeout_s: float = _STRAY_KILL_TIMEOUT_S, reap: b
         time.sleep(0.005)
 
 
-def _process_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
-    except OSError:
-        return ""
-
-
 def _is_supervisor(pid: int) -> bool:
     try:
         arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return _SUPERVISOR_MARK.encode() in arguments[:8] or _process_name(pid) == SUPERVISOR_NAME
+    return _SUPERVISOR_MARK.encode() in arguments[:8] or process_name(pid) == SUPERVISOR_NAME
 
 
 def child_pids(pid: int) -> list[int]:
@@ -224,7 +224,7 @@ def child_pids(pid: int) -> list[int]:
         children.setdefault(int(fields[1]), []).append(child)
     found = []
     for supervisor in children.get(pid, ()):
-        if _process_name(supervisor) == ZYGOTE_NAME:  # its warm workers' supervisors are its children
+        if process_name(supervisor) == ZYGOTE_NAME:  # its warm workers' supervisors are its children
             found += [w for s in children.get(supervisor, ()) if (w := _worker_of(s, children, processes))]
         elif worker := _worker_of(supervisor, children, processes):
             found.append(worker)
@@ -242,7 +242,7 @@ def _worker_of(supervisor: int, children: dict[int, list[int]], processes: dict[
             child = next(iter(own_children(supervisor)), supervisor)
     # a warm worker is named so from its fork until its launch; its supervisor has the zygote's name until the
     # worker is forked, and its own after; the round's store, forked from the zygote too, is no worker
-    return None if _process_name(child) in (IDLE_NAME, ZYGOTE_NAME, STORE_NAME) else child
+    return None if process_name(child) in (IDLE_NAME, ZYGOTE_NAME, STORE_NAME) else child
 
 
 # -- the supervisor, run as `python -I -S -c _SUPERVISE MARK ROOT PARENT_PID COMMAND...` ----------------------

@@ -68,6 +68,20 @@ def set_process_name(name: str) -> None:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
+def process_name(pid: int | str = "self") -> str:
+    """The name of process `pid` (/proc/<pid>/comm); empty if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+    except OSError:
+        return ""
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (the caller then checks that the parent is still the one)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _send(channel: socket.socket, message: dict) -> None:
     try:
         channel.send(json.dumps(message).encode())
@@ -77,7 +91,7 @@ def _send(channel: socket.socket, message: dict) -> None:
 
 def main() -> None:
     requests = socket.socket(fileno=int(os.environ.pop(ZYGOTE_FD_ENV)))
-    own_name = _own_name()
+    own_name = process_name()
     set_process_name(ZYGOTE_NAME)
     import torch  # noqa: F401  (the cost the zygote pays once, before any round, not in it)
     import torch.distributed  # noqa: F401  (the part every elastic-run script uses)
@@ -153,8 +167,7 @@ def _serve_store(control: socket.socket, host: str, world_size: int) -> None:
     (the round is over) or the zygote dies. Listening before any worker starts, it spares the workers torch's
     half-second back-off after a refused connection, which they met when rank 0 had not yet started its own."""
     try:
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _die_with_parent()
         set_process_name(STORE_NAME)
         from datetime import timedelta
 
@@ -177,8 +190,7 @@ def _start_warm_worker(supervisor: int, handlers: dict) -> None:
             signal.signal(signum, handler)
         except (OSError, ValueError, TypeError):
             pass
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _die_with_parent()
     if os.getppid() != supervisor:
         os._exit(0)
     set_process_name(IDLE_NAME)
@@ -196,7 +208,7 @@ def _wait_for_launch(control: socket.socket) -> tuple[dict, list[int]] | None:
     return json.loads(message), fds
 
 
-def _run_launch(control: socket.socket, own_name: bytes) -> None:
+def _run_launch(control: socket.socket, own_name: str) -> None:
     launch = _wait_for_launch(control)
     control.close()
     if launch is None:
@@ -211,7 +223,7 @@ def _run_launch(control: socket.socket, own_name: bytes) -> None:
         os.set_inheritable(fd, True)  # as a cold worker's: the script's own subprocess may be the one to use it
         os.environ[name] = str(fd)
     sys.argv = list(order["argv"])
-    set_process_name(own_name.decode())
+    set_process_name(own_name)
     _run_as_main(sys.argv[0])
 
 
@@ -235,14 +247,6 @@ def torch_imports(script: str) -> list[str]:
             names.append(statement.module)
     found = [name for name in dict.fromkeys(names) if name == "torch" or name.startswith("torch.")]
     return found + [extra for name in found for extra in IMPORTED_WITH.get(name, ())]
-
-
-def _own_name() -> bytes:
-    try:
-        with open("/proc/self/comm", "rb") as comm:
-            return comm.read().rstrip(b"\n")
-    except OSError:
-        return b""
 
 
 def _run_as_main(script: str) -> None:

@@ -86,11 +86,10 @@ class WarmPool:
     def fill(self) -> bool:
         """Fork a warm worker for every local rank that has none (starting the zygote first if there is none);
         False while that cannot be done yet: the zygote is still importing, or gone."""
-        zygote = self._zygote_started()
-        zygote.collect(0)
+        self._zygote_started()
         for local_rank in range(self.nproc):
             if local_rank not in self._workers:
-                warm = self._fork()
+                warm = self._fork_worker()
                 if warm is None:
                     return False
                 self._workers[local_rank] = warm
@@ -130,7 +129,7 @@ class WarmPool:
             started = time.monotonic()
             zygote.wait_ready(JOIN_WAIT_S)
             logger.info("local rank %d waited %.1fs for the zygote's imports", local_rank, time.monotonic() - started)
-        warm = self._fork()
+        warm = self._fork_worker()
         if warm is None:
             logger.info("local rank %d starts cold: no warm worker could be forked", local_rank)
         return warm
@@ -138,20 +137,19 @@ class WarmPool:
     def serve_store(self, host: str, world_size: int) -> RoundStore | None:
         """A round's store, listening before any worker starts (None: the zygote is not ready, or the store did
         not start within `STORE_START_S`; rank 0 serves it then)."""
-        zygote = self._zygote_started()
-        zygote.collect(0)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with theirs:
-            process = zygote.fork(theirs, {"store": {"host": host, "world_size": world_size}})
+        self._zygote_started()
+        forked = self._fork({"store": {"host": host, "world_size": world_size}})
+        if forked is None:
+            return None
+        process, ours = forked
         answer = b""
-        if process is not None and select.select([ours], [], [], STORE_START_S)[0]:
+        if select.select([ours], [], [], STORE_START_S)[0]:
             try:
                 answer = ours.recv(MAX_MESSAGE_BYTES)
             except OSError:
                 pass
-        if process is None or not answer:
-            if process is not None:
-                logger.warning("the round's store did not start within %gs: rank 0 serves it", STORE_START_S)
+        if not answer:
+            logger.warning("the round's store did not start within %gs: rank 0 serves it", STORE_START_S)
             ours.close()
             return None
         return RoundStore(process, ours, json.loads(answer)["port"])
@@ -174,15 +172,20 @@ class WarmPool:
             self._zygote = Zygote(self.env, self.argv)
         return self._zygote
 
-    def _fork(self) -> WarmWorker | None:
+    def _fork_worker(self) -> WarmWorker | None:
+        forked = self._fork()
+        return WarmWorker(*forked) if forked is not None else None
+
+    def _fork(self, order: dict | None = None) -> tuple[ForkedProcess, socket.socket] | None:
+        """A fork of the zygote (a warm worker, or what `order` asks for) and our end of its control socket."""
         assert self._zygote is not None, "forked through _zygote_started"
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            process = self._zygote.fork(theirs)
+            process = self._zygote.fork(theirs, order)
         if process is None:
             ours.close()
             return None
-        return WarmWorker(process, ours)
+        return process, ours
 
     @staticmethod
     def _discard(workers: list[WarmWorker]) -> None:

@@ -73,6 +73,8 @@ class Zygote:
         stand-in, or with `order` {"store": {"host": addr, "world_size": N}} a round's store; None if the zygote is not
         ready, gone or stuck."""
         if not self.ready:
+            self.collect(0)  # it may have said so since we last read
+        if not self.ready:
             return None
         try:
             socket.send_fds(self.channel, [json.dumps(order or {"fork": True}).encode()], [control.fileno()])
@@ -83,7 +85,7 @@ class Zygote:
             self.collect(0.05)
         with self._lock:
             if not self._forked:
-                logger.warning("the zygote did not fork a warm worker within %gs", FORK_TIMEOUT_S)
+                logger.warning("the zygote did not answer a fork within %gs", FORK_TIMEOUT_S)
                 return None
             return ForkedProcess(self, self._forked.pop(0))
 
