@@ -182,9 +182,15 @@ class BenchAgent(Agent):
             host.note("registered", None, time.time())
 
         def timed_acknowledge(
-            round_: int, round_revision: int, node: str, pid: int, inprocess: int = 0, fresh: int = 0
+            round_: int,
+            round_revision: int,
+            node: str,
+            pid: int,
+            inprocess: int = 0,
+            fresh: int = 0,
+            prepared: int = 0,
         ) -> bool:
-            committed = acknowledge(round_, round_revision, node, pid, inprocess, fresh)
+            committed = acknowledge(round_, round_revision, node, pid, inprocess, fresh, prepared)
             if committed:
                 host.note("acked", round_, time.time())
             return committed

@@ -26,6 +26,11 @@ replaces the lost peer, and raises the error only if none comes. Other exception
 the worker at once, as without `run`. The agent kills a worker that has not re-entered within
 --inprocess-timeout and starts its rank anew; a crashed or hung worker is always replaced by a new process.
 
+A node that joins a job already training starts its workers before it registers, in standby
+(`ELASTIC_STANDBY`): the script runs up to `run`, which tells the agent it is ready and waits for the round that
+takes the node in, then enters `main` as a survivor re-enters it. The drain that makes room for the node is asked
+for only then, so the round does not wait on the joiner's imports and set-up.
+
 Outside elastic-run (plain `python`, torchrun, `--no-inprocess`) `run` calls `main` once.
 """
 
@@ -49,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 ROUND_FD_ENV = "ELASTIC_ROUND_FD"  # the worker's end of its round socket
 ROUND_WAIT_ENV = "ELASTIC_ROUND_WAIT"  # seconds a worker whose collective failed waits for the next round
+STANDBY_ENV = "ELASTIC_STANDBY"  # set: started before its first round, which comes over the round socket
+READY_MESSAGE = b'{"ready": true}'  # a standby worker's word to its agent: it reached `run`
 MAX_OFFER_BYTES = 4 << 20
 Result = TypeVar("Result")
 
@@ -82,6 +89,7 @@ class RoundLink:
         self.control = control
         self.wait_s = wait_s
         self._offer: Offer | None = None
+        self._closed = False  # the agent closed its end: no round will come
         self._arrived = threading.Condition()
 
     @classmethod
@@ -111,7 +119,10 @@ class RoundLink:
             except OSError:
                 return
             if not message:
-                return  # the agent is gone: this worker runs on until it is stopped
+                with self._arrived:  # the agent is gone: this worker runs on until it is stopped
+                    self._closed = True
+                    self._arrived.notify_all()
+                return
             stdout_fd, stderr_fd = fds
             offer = Offer(json.loads(message)["env"], stdout_fd, stderr_fd, received=time.monotonic())
             with self._arrived:
@@ -130,17 +141,29 @@ class RoundLink:
         if self._offer is not None:
             raise RoundChanged(f"elastic-run started round {self._offer.round}")
 
-    def take(self, timeout_s: float) -> Offer | None:
-        """The offered round, waiting up to `timeout_s` for one; None if none came."""
-        deadline = time.monotonic() + timeout_s
+    def take(self, timeout_s: float | None) -> Offer | None:
+        """The offered round, waiting up to `timeout_s` for one (None: until the agent closes its end); None if
+        none came."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._arrived:
             while self._offer is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if self._closed or (left is not None and left <= 0):
                     return None
                 self._arrived.wait(left)
             offer, self._offer = self._offer, None
             return offer
+
+    def first_round(self) -> Offer:
+        """In standby: tell the agent this worker is ready, and wait for the round that takes its node in."""
+        try:
+            self.control.send(READY_MESSAGE)
+        except OSError:
+            pass  # the agent's end is closed: take() says so
+        offer = self.take(None)
+        if offer is None:
+            raise SystemExit("elastic-run's agent left before this standby worker's node took part in a round")
+        return offer
 
 
 def run(main: Callable[..., Result], *args, **kwargs) -> Result:
@@ -152,8 +175,11 @@ def run(main: Callable[..., Result], *args, **kwargs) -> Result:
 
     process_groups.track_group_sockets()
     link.start()
-    channel.drain_channel().set_inprocess()
     channel.round_check = link.check
+    if os.environ.pop(STANDBY_ENV, None) is not None:
+        _enter(link.first_round(), first=True)
+    else:
+        channel.drain_channel().set_inprocess()
     while True:
         try:
             return main(*args, **kwargs)
@@ -178,7 +204,7 @@ def _next_round(link: RoundLink, exc: Exception) -> Offer | None:
         return link.take(link.wait_s)
 
 
-def _enter(offer: Offer) -> None:
+def _enter(offer: Offer, first: bool = False) -> None:
     from elastic import process_groups
 
     unwound = time.monotonic()
@@ -195,6 +221,15 @@ def _enter(offer: Offer) -> None:
         os.close(fd)
     os.environ.update(offer.env)
     channel.reopen().set_inprocess()
+    if first:
+        logger.info(
+            "round %s: entering main (rank %s of %s), started in standby before the round, %.2fs after the offer",
+            offer.round,
+            offer.env.get("RANK"),
+            offer.env.get("WORLD_SIZE"),
+            time.monotonic() - offer.received,
+        )
+        return
     logger.info(
         "round %s: re-entering main in process (rank %s of %s), %.2fs after the offer (unwinding %.2fs, groups "
         "destroyed %.2fs, garbage collected %.2fs)",

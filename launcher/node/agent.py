@@ -116,11 +116,15 @@ class Agent:
         node_memory.create_empty(self.memory_dir)
         node_memory.remove_abandoned(self.memory_dir.parent)
         try:
+            prepared = 0
             if self.warm is not None:
                 self.warm.fill()  # their imports overlap the rendezvous
                 if self._read_view()[0].round_header is not None:
-                    self.warm.wait_before_joining(lambda: self.signal_received is not None)
-            self._join()
+                    interrupted = lambda: self.signal_received is not None  # noqa: E731
+                    self.warm.wait_before_joining(interrupted)
+                    prepared = self.workers.prepare(self.addr, interrupted)
+                    self.warm.fill()  # ranks whose standby worker dies start warm
+            self._join(prepared)
             return self._loop()
         finally:
             self.seat.stop()
@@ -157,9 +161,9 @@ class Agent:
     def _on_signal(self, signum: int, frame) -> None:
         self.stop(signum)
 
-    def _join(self) -> None:
+    def _join(self, prepared: int = 0) -> None:
         self._me = Incarnation.register(
-            self.store, self.config, self.addr, self.liveness, self.mirror.poke, self._lease_routes
+            self.store, self.config, self.addr, self.liveness, self.mirror.poke, self._lease_routes, prepared
         )
         self.seat.claim(self.me.lease.id)
 
@@ -248,9 +252,16 @@ class Agent:
                 run.refill_warm_at = None if filled else rules.refill_warm_at(time.monotonic(), filled)
             case rules.Acknowledge():
                 assert run is not None and run.member is not None, "acknowledged only by a member of a round"
-                inprocess = self.workers.group.started_inprocess
+                group = self.workers.group
+                kept = group.started_inprocess + group.started_prepared
                 self.store.acknowledge(
-                    run.round, run.revision, self.node_id, os.getpid(), inprocess, run.member.nproc - inprocess
+                    run.round,
+                    run.revision,
+                    self.node_id,
+                    os.getpid(),
+                    group.started_inprocess,
+                    run.member.nproc - kept,
+                    group.started_prepared,
                 )
                 run.acknowledged = True
             case rules.Report(outcome=outcome):
@@ -305,7 +316,7 @@ class Agent:
     def enter_round(self, header: RoundHeader, revision: int) -> None:
         member = self.store.read_member(header, self.node_id, self.me.record.lease)
         if member is None:
-            self.workers.stop()
+            self.workers.stop_round_workers()  # standby workers wait on for a round that takes this node in
         else:
             self.workers.retire()  # with --inprocess, its workers under elastic.run take the new round in process
         phase = Phase.STARTING if member is not None else Phase.SPARE

@@ -38,12 +38,14 @@ class Incarnation:
         liveness: LivenessServer,
         on_lost: Callable[[], None],
         routes: LeaseRoutes,
+        prepared: int = 0,
     ) -> Incarnation:
         """Register a new incarnation of this node under a fresh lease, kept alive from now on.
 
         An etcd too busy to answer (it refuses with "too many requests" while it catches up) is asked again with
         the same lease and record, so that a registration that committed unanswered is recognised as ours, for
-        up to join_timeout; a lease that ended meanwhile is replaced."""
+        up to join_timeout; a lease that ended meanwhile is replaced. `prepared`: how many of its workers wait
+        in standby (launcher.workers.standby), which node_joined records."""
         lease = record = None
         failing_since: float | None = None
         while True:
@@ -58,6 +60,7 @@ class Incarnation:
                         lease=lease.id,
                         pid=os.getpid(),
                         probe_port=liveness.port,
+                        prepared=prepared,
                     )
                 store.register(record)
                 break

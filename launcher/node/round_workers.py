@@ -16,6 +16,7 @@ from launcher.rendezvous.job_view import JobView
 from launcher.rendezvous.protocol import JobStore
 from launcher.rendezvous.records import DrainReport, DrainRequest, MasterRecord, Member, NodeFailure, RoundHeader
 from launcher.workers.group import WorkerOutcome
+from launcher.workers.standby import StandbyWorkers
 from launcher.workers.warm_pool import WarmPool
 from launcher.workers.watchdog_rules import Stall, StartupHistory
 from launcher.workers.zygote import RoundStore
@@ -43,6 +44,7 @@ class RoundWorkers:
         # next round in process; the rest are stopped when it is retired
         self.retired: Any = None
         self.torch_store: RoundStore | None = None  # the round's TCPStore, when this node serves it
+        self.standby: StandbyWorkers | None = None  # started before this node's first round, waiting for it
 
     @property
     def running(self) -> bool:
@@ -52,6 +54,29 @@ class RoundWorkers:
     def alive(self) -> bool:
         """Whether this node holds workers, of this round or kept for the next one."""
         return self.group is not None or self.retired is not None
+
+    def prepare(self, addr: str, interrupted: Callable[[], bool]) -> int:
+        """Before joining a job that trains: start this node's ranks in standby and wait until each is ready
+        (launcher.workers.standby), at most --rdzv-conf join_timeout; how many are (0: they start with the round)."""
+        if self.warm is None:
+            return 0
+        started = time.monotonic()
+        standby = StandbyWorkers.start(self.config, self.warm, addr)
+        if standby is None:
+            return 0
+        why_not = standby.wait_ready(self.config.rdzv.join_timeout, interrupted)
+        if why_not is not None:
+            logger.info("the standby workers are not ready (%s): this node's ranks start with their round", why_not)
+            standby.stop()
+            return 0
+        logger.info(
+            "%d worker(s) ready in standby (pids %s) %.2fs after their start: joining",
+            len(standby.processes),
+            ", ".join(map(str, standby.pids())),
+            time.monotonic() - started,
+        )
+        self.standby = standby
+        return len(standby.processes)
 
     def retire(self) -> None:
         """This round's workers are done with it: keep those that can take the next one in process, stop the rest."""
@@ -84,8 +109,9 @@ class RoundWorkers:
                     torch_store.close()
                 return  # the round moved on; the next step enters the new one
         self.group = self.factory(self.config, run.header, member, master, self.startups, self.warm)
-        self.group.start(self.retired)
-        self.retired = None
+        assert self.retired is None or self.standby is None, "standby workers wait only for the node's first round"
+        self.group.start(self.retired if self.retired is not None else self.standby)
+        self.retired = self.standby = None
         self._close_torch_store()  # the last round's: its workers are stopped or took this round
         self.torch_store = torch_store
         run.phase = Phase.RUNNING
@@ -192,6 +218,13 @@ class RoundWorkers:
         )
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
+        self.stop_round_workers(signum)
+        if self.standby is not None:
+            self.standby.stop(signum)
+            self.standby = None
+
+    def stop_round_workers(self, signum: int = signal.SIGTERM) -> None:
+        """Stop the workers of this node's rounds; standby workers wait on for the node's first round."""
         self.stop_retired(signum)
         if self.group is not None:
             self.group.stop(signum)

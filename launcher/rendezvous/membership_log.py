@@ -89,6 +89,7 @@ def _details(event: MembershipEvent) -> str:
         "last_step",
         "step",
         "inprocess",
+        "prepared",
         "fresh",
     ):
         value = getattr(event, name)

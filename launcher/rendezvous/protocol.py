@@ -352,7 +352,13 @@ class JobStore:
         key = self.keys.node(record.node)
         value = record.dumps()
         event_key, event_put = self._event(
-            new_event("node_joined", node=record.node, message=f"{record.addr}, {record.nproc} worker(s)"), record.node
+            new_event(
+                "node_joined",
+                node=record.node,
+                message=f"{record.addr}, {record.nproc} worker(s)",
+                prepared=record.prepared or None,
+            ),
+            record.node,
         )
 
         def attempt() -> None:
@@ -447,15 +453,30 @@ class JobStore:
         return self._commit([self._round_unchanged(round_revision)], [self._tx.put(key, master.dumps())], key)
 
     def acknowledge(
-        self, round_: int, round_revision: int, node: str, pid: int, inprocess: int = 0, fresh: int = 0
+        self,
+        round_: int,
+        round_revision: int,
+        node: str,
+        pid: int,
+        inprocess: int = 0,
+        fresh: int = 0,
+        prepared: int = 0,
     ) -> bool:
         """This node started its workers in the round. When `inprocess` of them were handed it in process
-        (elastic.run) and `fresh` started as new processes, a workers_started event says so (a round where every
-        worker starts anew writes none: thousands of nodes would fill the log with them)."""
+        (elastic.run), `prepared` took it as their first after starting in standby, and `fresh` started as new
+        processes, a workers_started event says so (a round where every worker starts anew writes none: thousands
+        of nodes would fill the log with them)."""
         key = self.keys.report(round_, ReportKind.ACK, node)
         writes = [self._tx.put(key, str(pid))]
-        if inprocess:
-            event = new_event("workers_started", round=round_, node=node, inprocess=inprocess, fresh=fresh)
+        if inprocess or prepared:
+            event = new_event(
+                "workers_started",
+                round=round_,
+                node=node,
+                inprocess=inprocess,
+                fresh=fresh,
+                prepared=prepared or None,
+            )
             writes.append(self._event(event, node)[1])
         return self._commit([self._round_unchanged(round_revision)], writes, key)
 

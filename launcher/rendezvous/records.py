@@ -37,6 +37,8 @@ class NodeRecord(Record):
     pid: int
     joined_at: float = Field(default_factory=time.time)
     probe_port: int = 0  # where its agent answers liveness probes (launcher.rendezvous.liveness); 0: it does not
+    # workers ready in standby when it registered (launcher.workers.standby): its first round hands them their ranks
+    prepared: int = Field(0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -365,9 +367,11 @@ class MembershipEvent(BaseModel):
     step: int | None = None
     # round_started: each member of the last round not in this one, and the newcomer (a spare) in its place
     replaced: list[dict] | None = None
-    # workers_started: this node's workers handed the round in process (elastic.run), and those started anew
+    # workers_started: this node's workers handed the round in process (elastic.run), and those started anew;
+    # node_joined, workers_started: its workers started in standby before the round (ready when it joined)
     inprocess: int | None = None
     fresh: int | None = None
+    prepared: int | None = None
     revision: int | None = None  # etcd revision: the order of the log, filled in when read back
 
     def dumps(self) -> str:

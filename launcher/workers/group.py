@@ -23,6 +23,7 @@ from launcher.workers.output import STREAMS, StreamRoute, WorkerOutput
 from launcher.workers.process_tree import WorkerProcess, stop_group, supervised_command
 from launcher.workers.round_link import RoundLink
 from launcher.workers.stack_dumps import read_dump
+from launcher.workers.standby import StandbyWorkers
 from launcher.workers.warm_pool import WarmPool, WarmWorker
 from launcher.workers.watchdog import Watchdog
 from launcher.workers.watchdog_rules import Policy, Stall, StartupHistory
@@ -73,6 +74,7 @@ class WorkerGroup:
         self.warm = warm
         self.started_inprocess = 0  # how many of the workers were handed this round in process
         self.started_warm = 0  # how many of the workers started in a warm worker forked from the zygote
+        self.started_prepared = 0  # how many took this round as their first, started in standby before it
         self.round = round_
         self.member = member
         self.master = master
@@ -99,18 +101,21 @@ class WorkerGroup:
             spare_reentrant=config.inprocess,
         )
 
-    def start(self, previous: WorkerGroup | None = None) -> None:
+    def start(self, previous: WorkerGroup | StandbyWorkers | None = None) -> None:
         """Start the round's workers: each local rank takes the worker `previous` hands over in process (it runs
-        under `elastic.run`), else a warm worker, else a new one. What `previous` keeps is stopped."""
+        under `elastic.run`: the last round's, or one in standby), else a warm worker, else a new one. What
+        `previous` keeps is stopped."""
         for local_rank in range(self.member.nproc):
             self.processes.append(self._launch(local_rank, previous))
         if previous is not None:
             previous.release()
         logger.info(
-            "round %d: started %d worker(s) (%d re-entering in process, %d warm), ranks %d-%d of %d, logs in %s",
+            "round %d: started %d worker(s) (%d re-entering in process, %d prepared in standby, %d warm), ranks "
+            "%d-%d of %d, logs in %s",
             self.round.round,
             self.member.nproc,
             self.started_inprocess,
+            self.started_prepared,
             self.started_warm,
             self.member.first_rank,
             self.member.last_rank,
@@ -118,7 +123,7 @@ class WorkerGroup:
             self.attempt_dir,
         )
 
-    def _launch(self, local_rank: int, previous: WorkerGroup | None) -> WorkerProcess:
+    def _launch(self, local_rank: int, previous: WorkerGroup | StandbyWorkers | None) -> WorkerProcess:
         directory = self.attempt_dir / str(local_rank)
         directory.mkdir(parents=True, exist_ok=True)
         error_file = directory / ERROR_FILE
@@ -130,7 +135,10 @@ class WorkerGroup:
         if handed is not None:
             process, self.round_links[local_rank] = handed
             self.reentering[local_rank] = time.monotonic() + self.config.inprocess_timeout
-            self.started_inprocess += 1
+            if isinstance(previous, StandbyWorkers):
+                self.started_prepared += 1
+            else:
+                self.started_inprocess += 1
         else:
             link = RoundLink.pair() if self.config.inprocess else None
             warm = self.warm.take(local_rank, self._node_env) if self.warm is not None else None

@@ -227,13 +227,20 @@ def _run_launch(control: socket.socket, own_name: str) -> None:
     _run_as_main(sys.argv[0])
 
 
-def torch_imports(script: str) -> list[str]:
-    """The torch modules `script` imports at its top level (in `try` blocks too), with what they load on first
-    use (`IMPORTED_WITH`); none when it cannot be read or parsed: the script then says why when it runs."""
+def _parsed(script: str) -> ast.Module | None:
+    """`script`'s syntax tree; None when it cannot be read or parsed: the script then says why when it runs."""
     try:
         with io.open_code(os.path.abspath(script)) as source:
-            tree = ast.parse(source.read())
+            return ast.parse(source.read())
     except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def torch_imports(script: str) -> list[str]:
+    """The torch modules `script` imports at its top level (in `try` blocks too), with what they load on first
+    use (`IMPORTED_WITH`); none when it cannot be read or parsed."""
+    tree = _parsed(script)
+    if tree is None:
         return []
     statements = list(tree.body)
     for statement in tree.body:
@@ -247,6 +254,39 @@ def torch_imports(script: str) -> list[str]:
             names.append(statement.module)
     found = [name for name in dict.fromkeys(names) if name == "torch" or name.startswith("torch.")]
     return found + [extra for name in found for extra in IMPORTED_WITH.get(name, ())]
+
+
+def calls_elastic_run(script: str) -> bool:
+    """Whether `script` calls `elastic.run` (as `elastic.run(...)`, or a `run` imported from `elastic`): only such
+    a script can be started before its round, in standby, since `elastic.run` waits there for the round's
+    environment. One that calls it through a module of its own is not seen, and starts with its round."""
+    tree = _parsed(script)
+    if tree is None:
+        return False
+    names = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "elastic"
+        for alias in node.names
+        if alias.name == "run"
+    }
+    modules = {"elastic"} | {
+        alias.asname
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if alias.name == "elastic" and alias.asname
+    }
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in names:
+            return True
+        if isinstance(func, ast.Attribute) and func.attr == "run" and isinstance(func.value, ast.Name):
+            if func.value.id in modules:
+                return True
+    return False
 
 
 def _run_as_main(script: str) -> None:

@@ -14,9 +14,10 @@ exactly as before:
 - the zygote must be alive (a zygote that died after it was ready is started again at the next fill; one that
   never got ready, torch failing to import, is not).
 
-An agent joining a job that already trains registers only once its zygote is ready (at most `JOIN_WAIT_S`),
-so that the round that takes it in does not wait on its imports while the others stand idle; one that joins a
-job with no round yet registers at once, and the zygote's imports overlap the rendezvous. `--no-warm-workers`
+An agent joining a job that already trains registers only once its zygote is ready (at most `JOIN_WAIT_S`)
+and its ranks wait in standby (`launcher.workers.standby`), so that the round that takes it in does not wait on
+its imports while the others stand idle; one that joins a job with no round yet registers at once, and the
+zygote's imports overlap the rendezvous. `--no-warm-workers`
 turns the pool off; `-m` and `--no-python` always start cold.
 """
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,8 +77,9 @@ def workers_started(cluster) -> list[dict]:
 def test_survivors_blocked_on_a_stopped_node_reenter_and_reenter_again_when_a_node_joins(cluster, tmp_path):
     """Node b is SIGSTOPped: a's workers block in a collective on it (gloo would wait 30 minutes). b's lease
     expires, the new round is offered, and aborting the process groups' connections unblocks them: they take the
-    smaller round in process (the same pids train on). Node c then joins: a's workers take the larger round in
-    process too, and c's start as new processes."""
+    smaller round in process (the same pids train on). Node c then joins: its workers start in standby and are
+    ready before it registers, so before the drain that makes room for it; then a's workers take the larger round
+    in process, and c's standby workers take it as their first."""
     samples = tmp_path / "samples.jsonl"
     steps = 120
     a, b = (cluster.start(n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN) for n in "ab")
@@ -93,17 +95,30 @@ def test_survivors_blocked_on_a_stopped_node_reenter_and_reenter_again_when_a_no
     assert len(survivors) == 2 and survivors <= a_pids, "a's workers train on in the same processes"
     assert "aborted the process groups" in a.text(), "the new round's offer unblocked the collective"
     step_before_join = newest(samples)["step"]
-    cluster.start("c", args(samples, tmp_path, steps), nnodes="1:2", script=TRAIN)
+    c = cluster.start("c", args(samples, tmp_path, steps), nnodes="1:2", script=TRAIN)
     cluster.wait_for(reached(samples, 4, step_before_join), 120, "a step at 4 ranks after c joined")
     assert a.wait(timeout=120) == 0, cluster.dump()
 
     assert_every_sample_once(samples, steps)
     shrunk = max(r["round"] for r in records(samples) if r["world_size"] == 2)
     after_join = {r["pid"] for r in records(samples) if r["world_size"] == 4 and r["round"] > shrunk}
-    assert survivors <= after_join and len(after_join) == 4, "a's workers re-entered again; c's are new"
+    assert survivors <= after_join and len(after_join) == 4, "a's workers re-entered again"
+    assert after_join - survivors == standby_pids(c.text()), "c's workers are those that waited in standby"
     started = workers_started(cluster)
-    assert [(e["node"], e["inprocess"], e["fresh"]) for e in started] == [("a", 2, 0), ("a", 2, 0)], started
+    started_by = sorted((e["node"], e["inprocess"], e.get("prepared"), e["fresh"]) for e in started)
+    assert started_by == [("a", 2, None, 0), ("a", 2, None, 0), ("c", 0, 2, 0)], started
+    log = cluster.log()
+    joined = next(i for i, e in enumerate(log) if e["event"] == "node_joined" and e["node"] == "c")
+    assert log[joined].get("prepared") == 2, log[joined]
+    drained = [i for i, e in enumerate(log) if e["event"] == "drain_requested" and i > joined]
+    assert drained, "the drain that made room for c was asked for once c's workers were ready"
     assert "re-entering main in process" in a.text()  # the workers' output goes to the agent's
+
+
+def standby_pids(agent_output: str) -> set[int]:
+    found = re.search(r"ready in standby \(pids ([\d, ]+)\)", agent_output)
+    assert found, agent_output[-3000:]
+    return {int(pid) for pid in found.group(1).split(", ")}
 
 
 @pytest.mark.timeout(240)

@@ -17,7 +17,7 @@ import pytest
 
 from launcher.rendezvous.records import MasterRecord
 from launcher.workers import network
-from launcher.workers.environment import worker_env
+from launcher.workers.environment import ROUND_VARIABLES, node_worker_env, standby_env, worker_env
 from launcher.workers.network import gloo_interface_env, interface_holding
 
 REPO = Path(__file__).resolve().parents[2]
@@ -201,3 +201,23 @@ def test_nccl_async_error_handling_is_on_unless_the_user_says_otherwise(monkeypa
         monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", users)
     env = worker_env(*fake_member("127.0.0.1"), 0, tmp_path / "error.json")
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == expected
+
+
+@pytest.mark.timeout(30)
+def test_a_standby_worker_has_a_round_workers_environment_but_the_rounds_own_variables(monkeypatch, tmp_path):
+    """What the first round's offer brings is exactly what a standby worker lacks: ranks, sizes, master, files;
+    even when the agent's own environment holds some (an outer launcher's RANK)."""
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    config, round_, member, master = fake_member("127.0.0.1")
+    config.nproc_per_node, config.node_id = member.nproc, member.node
+    round_env = worker_env(config, round_, member, master, 1, tmp_path / "error.json")
+    later = worker_env(
+        config, SimpleNamespace(round=5, size=2, world_size=4, restart_count=3), member, master, 1, tmp_path / "e"
+    )
+    assert {name for name in round_env if round_env[name] != later[name]} <= set(ROUND_VARIABLES)
+    standby = standby_env(config, node_worker_env("127.0.0.1", member.nproc), 1)
+    assert standby == {
+        **{name: value for name, value in round_env.items() if name not in ROUND_VARIABLES},
+        "ELASTIC_STANDBY": "1",
+    }
