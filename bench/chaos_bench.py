@@ -23,7 +23,8 @@ fault-free run lasts about as long (~100 s here). In each chaos run, once traini
 
 A node that is gone is replaced --rejoin-after seconds later by a new one (a scale-up; with elastic-run's --spares,
 a spare takes the gone node's place in the same round and the new one waits as a spare). The victim is drawn
-(--seed) among the nodes whose workers run (never a spare). Then, from the step log each rank writes, for each system:
+(--seed) among the nodes whose workers train (never a spare, whose workers wait in standby). Then, from the step
+log each rank writes, for each system:
 
   goodput      samples trained per second from the first committed step to the last, over the fault-free run's
                (for elastic-run and ft_launcher, which re-split the global batch over the ranks left, that is new
@@ -116,7 +117,10 @@ class System(Protocol):
 
     def start_node(self, job: Job, slot: int) -> None: ...
 
-    def workers(self, agent_pid: int) -> list[int]: ...
+    def workers(self, job: Job, agent_pid: int) -> list[int]:
+        """The agent's workers that train now (a spare's, waiting for a round, are no victims: hitting them would
+        cost nothing)."""
+        ...
 
     def records(self, job: Job) -> list[dict]: ...
 
@@ -184,8 +188,12 @@ class ElasticRun:
         ]
         job.start_agent(node, command)
 
-    def workers(self, agent_pid: int) -> list[int]:
-        return child_pids(agent_pid)  # seen through their supervisor
+    def workers(self, job: Job, agent_pid: int) -> list[int]:
+        # seen through their supervisor; a spare's workers wait in standby, and only those in the newest round train
+        records = self.records(job)
+        newest = max((r["round"] for r in records), default=None)
+        training = {r["pid"] for r in records if r["round"] == newest}
+        return [pid for pid in child_pids(agent_pid) if pid in training]
 
     def records(self, job: Job) -> list[dict]:
         return _json_lines(job.workdir / "samples.jsonl")
@@ -203,7 +211,7 @@ class PeerJob:
     def __init__(self, steps: int) -> None:
         self.steps = steps
 
-    def workers(self, agent_pid: int) -> list[int]:
+    def workers(self, job: Job, agent_pid: int) -> list[int]:
         return workers_of(agent_pid)
 
     def records(self, job: Job) -> list[dict]:
@@ -356,13 +364,13 @@ def _stream_of_faults(run: Run, args: argparse.Namespace) -> None:
             node = run.start_node(join[1])
             run.changes.append(Change(now, f"node{node} joins"))
         if now >= next_fault:
-            live = [  # nodes that train: a spare, with no worker, is no victim (hitting it would cost nothing)
+            live = [  # nodes that train: a spare is no victim
                 n
                 for n, agent in enumerate(run.job.agents)
                 if agent.poll() is None
                 and n not in stream.faulted
                 and n not in run.system.spared
-                and run.system.workers(agent.pid)
+                and run.system.workers(run.job, agent.pid)
             ]
             kind = args.kinds[count % len(args.kinds)]
             if live and _fault(run, kind, rng.choice(live), stream, args.rejoin_after):
@@ -379,7 +387,7 @@ def _fault(run: Run, kind: str, node: int, stream: Stream, rejoin_after: float) 
     agent = run.job.agents[node]
     now = time.time()
     if kind in ("crash", "hang"):
-        workers = run.system.workers(agent.pid)
+        workers = run.system.workers(run.job, agent.pid)
         if not workers:
             return False
         signal_groups_of([workers[0]], signal.SIGKILL if kind == "crash" else signal.SIGSTOP)

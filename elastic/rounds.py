@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 from elastic import channel
@@ -204,6 +205,15 @@ def _next_round(link: RoundLink, exc: Exception) -> Offer | None:
         return link.take(link.wait_s)
 
 
+def _take_interpreter_name() -> None:
+    """elastic-run names a standby worker for `ps` until its first round; from then on it is named as a worker
+    started for the round, after its interpreter."""
+    try:
+        Path("/proc/self/comm").write_text(os.path.basename(sys.executable)[:15])
+    except OSError:
+        pass  # not Linux: no name was set
+
+
 def _enter(offer: Offer, first: bool = False) -> None:
     from elastic import process_groups
 
@@ -222,6 +232,7 @@ def _enter(offer: Offer, first: bool = False) -> None:
     os.environ.update(offer.env)
     channel.reopen().set_inprocess()
     if first:
+        _take_interpreter_name()
         logger.info(
             "round %s: entering main (rank %s of %s), started in standby before the round, %.2fs after the offer",
             offer.round,

@@ -52,6 +52,7 @@ from launcher.rendezvous.records import (
 )
 from launcher.workers.environment import node_worker_env
 from launcher.workers.group import WorkerGroup
+from launcher.workers.standby import StandbyWorkers
 from launcher.workers.warm_pool import WarmPool
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ class Agent:
         self.liveness = LivenessServer(self.addr)  # answers the controller's probes while this agent lives
         self.memory_dir = node_memory.node_memory_dir(config.rdzv_id, config.node_id)  # workers' snapshots
         self.warm = _warm_pool(config, self.addr)
-        self.workers = RoundWorkers(config, self.store, self.node_id, worker_group, self.warm)
+        standby = StandbyWorkers(config, self.warm, self.addr) if self.warm is not None else None
+        self.workers = RoundWorkers(config, self.store, self.node_id, worker_group, self.warm, standby)
         self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
         self.seat = ControllerSeat(self.store, config, self.log, self.node_id)
         self._fence_pending = False  # our workers were killed because etcd stopped confirming our lease
@@ -122,7 +124,7 @@ class Agent:
                 if self._read_view()[0].round_header is not None:
                     interrupted = lambda: self.signal_received is not None  # noqa: E731
                     self.warm.wait_before_joining(interrupted)
-                    prepared = self.workers.prepare(self.addr, interrupted)
+                    prepared = self.workers.prepare(interrupted)
                     self.warm.fill()  # ranks whose standby worker dies start warm
             self._join(prepared)
             return self._loop()

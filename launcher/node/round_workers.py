@@ -31,7 +31,13 @@ class RoundWorkers:
     """Holds the WorkerGroup of the round this node runs (None between rounds) and writes what it says to etcd."""
 
     def __init__(
-        self, config: LaunchConfig, store: JobStore, node_id: str, factory: WorkerGroupFactory, warm: WarmPool | None
+        self,
+        config: LaunchConfig,
+        store: JobStore,
+        node_id: str,
+        factory: WorkerGroupFactory,
+        warm: WarmPool | None,
+        standby: StandbyWorkers | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -44,7 +50,7 @@ class RoundWorkers:
         # next round in process; the rest are stopped when it is retired
         self.retired: Any = None
         self.torch_store: RoundStore | None = None  # the round's TCPStore, when this node serves it
-        self.standby: StandbyWorkers | None = None  # started before this node's first round, waiting for it
+        self.standby = standby  # workers waiting in elastic.run for a round (none with --no-warm-workers)
 
     @property
     def running(self) -> bool:
@@ -55,28 +61,41 @@ class RoundWorkers:
         """Whether this node holds workers, of this round or kept for the next one."""
         return self.group is not None or self.retired is not None
 
-    def prepare(self, addr: str, interrupted: Callable[[], bool]) -> int:
-        """Before joining a job that trains: start this node's ranks in standby and wait until each is ready
-        (launcher.workers.standby), at most --rdzv-conf join_timeout; how many are (0: they start with the round)."""
-        if self.warm is None:
-            return 0
+    def prepare(self, interrupted: Callable[[], bool]) -> int:
+        """Before joining a job that trains: start this node's standby workers and wait until each is ready
+        (launcher.workers.standby), at most --rdzv-conf join_timeout; how many are (0: the ranks start with the
+        round)."""
+        if self.standby is None or self.standby.unusable is not None or not self.warm_pool.fill():
+            return 0  # no standby, or the zygote is not ready: no worker to start in standby without waiting
         started = time.monotonic()
-        standby = StandbyWorkers.start(self.config, self.warm, addr)
-        if standby is None:
-            return 0
-        why_not = standby.wait_ready(self.config.rdzv.join_timeout, interrupted)
+        self.standby.fill()
+        why_not = self.standby.wait_ready(self.config.rdzv.join_timeout, interrupted)
         if why_not is not None:
             logger.info("the standby workers are not ready (%s): this node's ranks start with their round", why_not)
-            standby.stop()
             return 0
         logger.info(
             "%d worker(s) ready in standby (pids %s) %.2fs after their start: joining",
-            len(standby.processes),
-            ", ".join(map(str, standby.pids())),
+            len(self.standby.workers),
+            ", ".join(map(str, self.standby.pids())),
             time.monotonic() - started,
         )
-        self.standby = standby
-        return len(standby.processes)
+        return len(self.standby.workers)
+
+    def keep_standby(self) -> None:
+        """Once this round's workers train under `elastic.run`, give each local rank a standby worker: started
+        after the round's start-up, not during it, and only for a script that showed it calls `elastic.run`."""
+        if self.standby is None or self.standby.unusable is not None or self.group is None:
+            return
+        if len(self.standby.workers) == self.config.nproc_per_node or not self.group.trains_under_elastic_run():
+            return
+        if self.warm_pool.fill():  # the zygote is ready: no standby worker waits for its imports
+            self.standby.fill()
+            self.warm_pool.fill()  # the forks the standby workers took
+
+    @property
+    def warm_pool(self) -> WarmPool:
+        assert self.warm is not None, "standby and refills only with a warm pool"
+        return self.warm
 
     def retire(self) -> None:
         """This round's workers are done with it: keep those that can take the next one in process, stop the rest."""
@@ -109,9 +128,8 @@ class RoundWorkers:
                     torch_store.close()
                 return  # the round moved on; the next step enters the new one
         self.group = self.factory(self.config, run.header, member, master, self.startups, self.warm)
-        assert self.retired is None or self.standby is None, "standby workers wait only for the node's first round"
-        self.group.start(self.retired if self.retired is not None else self.standby)
-        self.retired = self.standby = None
+        self.group.start(self.retired, self.standby)
+        self.retired = None
         self._close_torch_store()  # the last round's: its workers are stopped or took this round
         self.torch_store = torch_store
         run.phase = Phase.RUNNING
@@ -121,6 +139,7 @@ class RoundWorkers:
         """Note how the workers ended, if they did: the next step reports it."""
         outcome, failures = self.group.poll()
         if outcome is WorkerOutcome.RUNNING:
+            self.keep_standby()
             return
         if outcome is WorkerOutcome.FAILED:
             for failure in failures:
@@ -221,7 +240,6 @@ class RoundWorkers:
         self.stop_round_workers(signum)
         if self.standby is not None:
             self.standby.stop(signum)
-            self.standby = None
 
     def stop_round_workers(self, signum: int = signal.SIGTERM) -> None:
         """Stop the workers of this node's rounds; standby workers wait on for the node's first round."""

@@ -101,12 +101,12 @@ class WorkerGroup:
             spare_reentrant=config.inprocess,
         )
 
-    def start(self, previous: WorkerGroup | StandbyWorkers | None = None) -> None:
+    def start(self, previous: WorkerGroup | None = None, standby: StandbyWorkers | None = None) -> None:
         """Start the round's workers: each local rank takes the worker `previous` hands over in process (it runs
-        under `elastic.run`: the last round's, or one in standby), else a warm worker, else a new one. What
-        `previous` keeps is stopped."""
+        under `elastic.run`), else its standby worker, else a warm worker, else a new one. What `previous` keeps
+        is stopped."""
         for local_rank in range(self.member.nproc):
-            self.processes.append(self._launch(local_rank, previous))
+            self.processes.append(self._launch(local_rank, previous, standby))
         if previous is not None:
             previous.release()
         logger.info(
@@ -123,22 +123,25 @@ class WorkerGroup:
             self.attempt_dir,
         )
 
-    def _launch(self, local_rank: int, previous: WorkerGroup | StandbyWorkers | None) -> WorkerProcess:
+    def _launch(
+        self, local_rank: int, previous: WorkerGroup | None, standby: StandbyWorkers | None = None
+    ) -> WorkerProcess:
         directory = self.attempt_dir / str(local_rank)
         directory.mkdir(parents=True, exist_ok=True)
         error_file = directory / ERROR_FILE
         error_file.unlink(missing_ok=True)
         env = worker_env(self.config, self.round, self.member, self.master, local_rank, error_file)
         routes = {name: self.output.route(directory, local_rank, name) for name in STREAMS}
-        handed = previous.hand_over(local_rank, lambda link: self._offer(link, env, routes)) if previous else None
+        offer = lambda link: self._offer(link, env, routes)  # noqa: E731
+        handed = previous.hand_over(local_rank, offer) if previous else None
+        if handed is not None:
+            self.started_inprocess += 1
+        elif standby is not None and (handed := standby.hand_over(local_rank, offer)) is not None:
+            self.started_prepared += 1
         process: WorkerProcess
         if handed is not None:
             process, self.round_links[local_rank] = handed
             self.reentering[local_rank] = time.monotonic() + self.config.inprocess_timeout
-            if isinstance(previous, StandbyWorkers):
-                self.started_prepared += 1
-            else:
-                self.started_inprocess += 1
         else:
             link = RoundLink.pair() if self.config.inprocess else None
             warm = self.warm.take(local_rank, self._node_env) if self.warm is not None else None
@@ -336,6 +339,12 @@ class WorkerGroup:
         if stall is not None:
             return f"every worker has been silent for {stall.seconds_silent:.1f}s, several of its step intervals"
         return None
+
+    def trains_under_elastic_run(self) -> bool:
+        """Whether a worker of this round runs under `elastic.run` and reported a training step in it."""
+        return self.watchdog.latest_step() is not None and any(
+            self.watchdog.inprocess(r) for r in range(len(self.processes))
+        )
 
     def stall(self) -> Stall | None:
         """Every worker silent for several of its step intervals, as of the last poll (watchdog_rules.stall_of)."""

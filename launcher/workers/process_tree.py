@@ -32,6 +32,7 @@ from typing import NoReturn, Protocol
 
 from launcher.workers.warm_interpreter import (
     IDLE_NAME,
+    STANDBY_NAME,
     STORE_NAME,
     SUPERVISOR_NAME,
     ZYGOTE_NAME,
@@ -216,7 +217,8 @@ def _is_supervisor(pid: int) -> bool:
 def child_pids(pid: int) -> list[int]:
     """The workers of `pid` (Linux /proc): its direct children and the zygote's, where a supervisor stands for the
     worker it runs (its first child, or itself before the worker started), and where warm workers that wait for a
-    round (`launcher.workers.warm_pool`) and the zygote are left out. How a caller finds the workers of an agent
+    round (`launcher.workers.warm_pool`), standby workers before their first round (`launcher.workers.standby`)
+    and the zygote are left out. How a caller finds the workers of an agent
     it started."""
     processes = _living_processes(zombies=True)
     children: dict[int, list[int]] = {}
@@ -240,9 +242,10 @@ def _worker_of(supervisor: int, children: dict[int, list[int]], processes: dict[
         child = min(children.get(child, ()), key=lambda p: (int(processes[p][19]), p), default=child)  # starttime
         if child == supervisor:  # it may have forked since the snapshot: a forked supervisor names itself after
             child = next(iter(own_children(supervisor)), supervisor)
-    # a warm worker is named so from its fork until its launch; its supervisor has the zygote's name until the
-    # worker is forked, and its own after; the round's store, forked from the zygote too, is no worker
-    return None if process_name(child) in (IDLE_NAME, ZYGOTE_NAME, STORE_NAME) else child
+    # a warm worker is named so from its fork until its launch, and a standby worker until its first round; its
+    # supervisor has the zygote's name until the worker is forked, and its own after; the round's store, forked
+    # from the zygote too, is no worker
+    return None if process_name(child) in (IDLE_NAME, STANDBY_NAME, ZYGOTE_NAME, STORE_NAME) else child
 
 
 # -- the supervisor, run as `python -I -S -c _SUPERVISE MARK ROOT PARENT_PID COMMAND...` ----------------------

@@ -49,6 +49,7 @@ ZYGOTE_NAME = "elastic-zygote"
 SUPERVISOR_NAME = "elastic-superv"
 IDLE_NAME = "elastic-warm"
 STORE_NAME = "elastic-store"
+STANDBY_NAME = "elastic-standby"  # a launched worker waiting in elastic.run for its first round (standby.py)
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
 # What an FSDP2 + DCP training script pays for in its first second besides torch itself, measured on
@@ -223,7 +224,7 @@ def _run_launch(control: socket.socket, own_name: str) -> None:
         os.set_inheritable(fd, True)  # as a cold worker's: the script's own subprocess may be the one to use it
         os.environ[name] = str(fd)
     sys.argv = list(order["argv"])
-    set_process_name(own_name)
+    set_process_name(order.get("name") or own_name)
     _run_as_main(sys.argv[0])
 
 

@@ -55,12 +55,14 @@ class WarmWorker:
         stdout_fd: int,
         stderr_fd: int,
         extra_fds: dict[str, int] | None = None,
+        name: str | None = None,
     ) -> bool:
         """Hand over the round: False if the interpreter is gone (the caller starts the rank cold).
 
-        `extra_fds`: descriptors the worker also gets, each named in its environment variable of that name."""
+        `extra_fds`: descriptors the worker also gets, each named in its environment variable of that name;
+        `name`: its process name (None: the interpreter's own, as a cold worker has)."""
         extra_fds = extra_fds or {}
-        message = json.dumps({"env": env, "argv": argv, "fd_env": list(extra_fds)}).encode()
+        message = json.dumps({"env": env, "argv": argv, "fd_env": list(extra_fds), "name": name}).encode()
         try:
             socket.send_fds(self.control, [message], [stdout_fd, stderr_fd, *extra_fds.values()])
         except OSError:

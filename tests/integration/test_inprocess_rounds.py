@@ -123,10 +123,10 @@ def standby_pids(agent_output: str) -> set[int]:
 
 @pytest.mark.timeout(240)
 def test_a_crashed_and_then_a_stopped_worker_are_replaced_while_their_peers_reenter(cluster, tmp_path):
-    """One worker is SIGKILLed: it starts anew, while its local peer and node b's workers, whose collectives
-    failed, wait for the next round and take it in process. Then one worker is SIGSTOPped: every worker falls
-    silent and is found hung; the stopped one is killed and starts anew, and the others, which only wait in a
-    collective on it, are left alive and take the round after in process."""
+    """One worker is SIGKILLed: its rank takes its node's standby worker, while its local peer and node b's
+    workers, whose collectives failed, wait for the next round and take it in process. Then one worker is
+    SIGSTOPped: every worker falls silent and is found hung; the stopped one is killed and replaced, and the
+    others, which only wait in a collective on it, are left alive and take the round after in process."""
     samples = tmp_path / "samples.jsonl"
     steps = 90
     extra = ["--max-restarts", "2", "--watchdog-min", "2"]
@@ -157,9 +157,15 @@ def test_a_crashed_and_then_a_stopped_worker_are_replaced_while_their_peers_reen
     spared = [message for rank, message in fates.items() if rank != 3]
     assert all(m.endswith("left alive to take the next round in process") for m in spared), fates
     counts = {
-        n: sorted((e["inprocess"], e["fresh"]) for e in workers_started(cluster) if e["round"] == n) for n in (1, 2)
+        n: sorted(
+            (e["inprocess"], e.get("prepared") or 0, e["fresh"]) for e in workers_started(cluster) if e["round"] == n
+        )
+        for n in (1, 2)
     }
-    assert counts == {1: [(1, 1), (2, 0)], 2: [(1, 1), (2, 0)]}, workers_started(cluster)
+    # the crashed worker's rank took its node's standby worker, started after round 0's launch and waiting in
+    # elastic.run since; the hung one's took a standby worker too, unless the refill after round 1 was not ready
+    assert counts[1] == [(1, 1, 0), (2, 0, 0)], workers_started(cluster)
+    assert counts[2] in ([(1, 1, 0), (2, 0, 0)], [(1, 0, 1), (2, 0, 0)]), workers_started(cluster)
 
 
 @pytest.mark.timeout(180)

@@ -1,5 +1,5 @@
-"""Standby workers (issue #17, item 4): a joining node's workers run the script up to `elastic.run`, say they are
-ready, and take the round that admits the node as their first; a script that cannot wait there is not ready."""
+"""Standby workers (issue #17, item 4): workers run the script up to `elastic.run`, say they are ready, and take
+the round they are handed as their first; a script that cannot wait there turns standby off."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import contextlib
 import json
 import os
 import signal
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,9 @@ import pytest
 
 from launcher.config import LaunchConfig, Std
 from launcher.workers.environment import node_worker_env
+from launcher.workers.process_tree import child_pids, process_name
 from launcher.workers.standby import StandbyWorkers
+from launcher.workers.warm_interpreter import STANDBY_NAME
 from launcher.workers.warm_pool import WarmPool
 
 pytestmark = pytest.mark.timeout(90)
@@ -22,11 +26,15 @@ pytestmark = pytest.mark.timeout(90)
 ADDR = "127.0.0.1"
 
 WAITS_AT_RUN = """\
-import json, os, sys
+import json, os, sys, time
 import elastic
 print("before run: RANK", os.environ.get("RANK"), "standby", os.environ.get("ELASTIC_STANDBY"), flush=True)
 
 def main(greeting):
+    if "GO" in os.environ:  # the test looks at this worker of a round, then lets it finish
+        deadline = time.monotonic() + 20
+        while not os.path.exists(os.environ["GO"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
     print(json.dumps({"greeting": greeting, "pid": os.getpid(), "standby": os.environ.get("ELASTIC_STANDBY"),
                       **{k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ELASTIC_ROUND")}}))
 
@@ -52,6 +60,15 @@ def warm_pool() -> Iterator[WarmPool]:
         warm.close()
 
 
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def config(tmp_path: Path, script: str) -> LaunchConfig:
     entrypoint = tmp_path / "train.py"
     entrypoint.write_text(script)
@@ -72,20 +89,29 @@ def config(tmp_path: Path, script: str) -> LaunchConfig:
 def test_a_standby_worker_waits_in_elastic_run_and_takes_its_first_round_as_main(tmp_path):
     out_path = tmp_path / "round-out"
     with warm_pool() as pool:
-        standby = StandbyWorkers.start(config(tmp_path, WAITS_AT_RUN), pool, ADDR)
-        assert standby is not None
+        standby = StandbyWorkers(config(tmp_path, WAITS_AT_RUN), pool, ADDR)
+        standby.fill()
         try:
             assert standby.wait_ready(60, lambda: False) is None
             standby_log = tmp_path / "logs" / "n" / "standby" / "0" / "stdout.log"
             assert standby_log.read_text() == "before run: RANK None standby 1\n"
             [pid] = standby.pids()
+            assert process_name(pid) == STANDBY_NAME and pid not in child_pids(os.getpid()), "no round's worker yet"
             round_env = dict(pool.env, RANK="3", WORLD_SIZE="4", LOCAL_RANK="0", ELASTIC_ROUND="2")
+            round_env["GO"] = str(tmp_path / "go")
             with open(out_path, "wb") as out:
                 handed = standby.hand_over(0, lambda link: link.offer(round_env, out.fileno(), out.fileno()))
             assert handed is not None
             process, link = handed
+            named = wait_for(lambda: process_name(pid) != STANDBY_NAME, 20)
+            assert process_name(pid) == os.path.basename(sys.executable)[:15], "named as a cold worker would be"
+            assert named and pid in child_pids(os.getpid()), "a round's worker now"
+            (tmp_path / "go").touch()
             assert process.wait(timeout=30) == 0
             link.close()
+            assert standby.workers == {}, "handed over: the rank has no standby worker until the next fill"
+            standby.fill()
+            assert standby.wait_ready(60, lambda: False) is None and standby.pids() != [pid]
         finally:
             standby.stop()
     [line] = [line for line in out_path.read_text().splitlines() if line.startswith("{")]
@@ -102,24 +128,26 @@ def test_a_standby_worker_waits_in_elastic_run_and_takes_its_first_round_as_main
 
 def test_a_script_that_reads_its_rank_before_elastic_run_is_not_ready_and_says_where_to_look(tmp_path):
     with warm_pool() as pool:
-        standby = StandbyWorkers.start(config(tmp_path, READS_RANK_FIRST), pool, ADDR)
-        assert standby is not None
+        standby = StandbyWorkers(config(tmp_path, READS_RANK_FIRST), pool, ADDR)
+        standby.fill()
         try:
             why_not = standby.wait_ready(60, lambda: False)
+            standby.fill()
+            assert standby.workers == {}, "off for good: the ranks start as before"
         finally:
             standby.stop()
     stderr_log = tmp_path / "logs" / "n" / "standby" / "0" / "stderr.log"
-    assert why_not == f"local rank 0 exited (1) before it reached elastic.run; see {stderr_log}"
+    assert why_not == standby.unusable == f"local rank 0 exited (1) before it reached elastic.run; see {stderr_log}"
     assert "KeyError: 'RANK'" in stderr_log.read_text()
 
 
 def test_a_standby_worker_that_never_gets_a_round_is_stopped_with_its_node(tmp_path):
     with warm_pool() as pool:
-        standby = StandbyWorkers.start(config(tmp_path, WAITS_AT_RUN), pool, ADDR)
-        assert standby is not None
+        standby = StandbyWorkers(config(tmp_path, WAITS_AT_RUN), pool, ADDR)
+        standby.fill()
         assert standby.wait_ready(60, lambda: False) is None
         [worker] = standby.pids()
-        [process] = standby.processes
+        [process] = [w.process for w in standby.workers.values()]
         standby.stop(signal.SIGTERM)
         assert process.wait(timeout=10) is not None
     with pytest.raises(ProcessLookupError):
@@ -128,4 +156,6 @@ def test_a_standby_worker_that_never_gets_a_round_is_stopped_with_its_node(tmp_p
 
 def test_a_script_without_elastic_run_is_not_started_in_standby(tmp_path):
     with warm_pool() as pool:
-        assert StandbyWorkers.start(config(tmp_path, "print('trains at once')\n"), pool, ADDR) is None
+        standby = StandbyWorkers(config(tmp_path, "print('trains at once')\n"), pool, ADDR)
+        standby.fill()
+        assert standby.workers == {} and standby.unusable == "the script does not call elastic.run"
