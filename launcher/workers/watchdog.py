@@ -263,6 +263,20 @@ def _descends_from(pid: int, ancestor: int, depth: int = 8) -> bool:
     return False
 
 
+def dump_stacks(process: WorkerProcess) -> float:
+    """Have the worker under `process` (its supervisor) write every thread's stack to its stderr, through the
+    handler `elastic.channel` registers; the seconds to give it before it is killed (0: it has no handler)."""
+    worker = next(iter(own_children(process.pid)), process.pid)
+    if not _catches(worker, channel.DUMP_SIGNAL):
+        return 0.0
+    try:
+        os.kill(worker, channel.DUMP_SIGNAL)
+        os.kill(worker, signal.SIGCONT)
+    except (ProcessLookupError, PermissionError):
+        return 0.0
+    return DUMP_GRACE_S
+
+
 def _catches(pid: int, signum: int) -> bool:
     """Whether `pid` has a handler installed for `signum` (its SigCgt mask in /proc; True where unknown)."""
     try:

@@ -181,7 +181,8 @@ def test_a_worker_that_does_not_unwind_is_replaced_and_no_inprocess_restarts_eve
     cluster.wait_for(lambda: len(records(marks)) >= 4, 90, "4 workers in round 0")
     os.killpg(b.pid, signal.SIGKILL)
     assert a.wait(timeout=90) == 0, cluster.dump()
-    assert "did not re-enter within --inprocess-timeout 2s" in a.text(), a.text()[-3000:]
+    assert "did not re-enter within --inprocess-timeout 2s: dumping its stacks" in a.text(), a.text()[-3000:]
+    assert "stubborn_worker.py" in a.text().split("dumping its stacks")[1], "its stack shows where it was stuck"
     round_1 = [r for r in records(marks) if r["round"] == 1]
     stubborn = {r["pid"] for r in records(marks) if r["round"] == 0 and r["stubborn"] and r["node"] == "a"}
     assert len(round_1) == 2 and not stubborn & {r["pid"] for r in round_1}, records(marks)
