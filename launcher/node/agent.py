@@ -96,7 +96,7 @@ class Agent:
         self.liveness = LivenessServer(self.addr)  # answers the controller's probes while this agent lives
         self.memory_dir = node_memory.node_memory_dir(config.rdzv_id, config.node_id)  # workers' snapshots
         self.warm = _warm_pool(config, self.addr)
-        standby = StandbyWorkers(config, self.warm, self.addr) if self.warm is not None else None
+        standby = StandbyWorkers(config, self.warm) if self.warm is not None else None
         self.workers = RoundWorkers(config, self.store, self.node_id, worker_group, self.warm, standby)
         self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
         self.seat = ControllerSeat(self.store, config, self.log, self.node_id)
@@ -125,7 +125,6 @@ class Agent:
                     interrupted = lambda: self.signal_received is not None  # noqa: E731
                     self.warm.wait_before_joining(interrupted)
                     prepared = self.workers.prepare(interrupted)
-                    self.warm.fill()  # ranks whose standby worker dies start warm
             self._join(prepared)
             return self._loop()
         finally:

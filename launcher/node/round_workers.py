@@ -65,10 +65,9 @@ class RoundWorkers:
         """Before joining a job that trains: start this node's standby workers and wait until each is ready
         (launcher.workers.standby), at most --rdzv-conf join_timeout; how many are (0: the ranks start with the
         round)."""
-        if self.standby is None or self.standby.unusable is not None or not self.warm_pool.fill():
-            return 0  # no standby, or the zygote is not ready: no worker to start in standby without waiting
         started = time.monotonic()
-        self.standby.fill()
+        if self.standby is None or not self._fill_standby():
+            return 0
         why_not = self.standby.wait_ready(self.config.rdzv.join_timeout, interrupted)
         if why_not is not None:
             logger.info("the standby workers are not ready (%s): this node's ranks start with their round", why_not)
@@ -86,16 +85,19 @@ class RoundWorkers:
         after the round's start-up, not during it, and only for a script that showed it calls `elastic.run`."""
         if self.standby is None or self.standby.unusable is not None or self.group is None:
             return
-        if len(self.standby.workers) == self.config.nproc_per_node or not self.group.trains_under_elastic_run():
-            return
-        if self.warm_pool.fill():  # the zygote is ready: no standby worker waits for its imports
-            self.standby.fill()
-            self.warm_pool.fill()  # the forks the standby workers took
+        if len(self.standby.workers) < self.config.nproc_per_node and self.group.trains_under_elastic_run():
+            self._fill_standby()
 
-    @property
-    def warm_pool(self) -> WarmPool:
-        assert self.warm is not None, "standby and refills only with a warm pool"
-        return self.warm
+    def _fill_standby(self) -> bool:
+        """Start the standby workers the node lacks, and fork the warm workers they took; False when there are
+        none to start (the script cannot wait in standby, or the zygote still imports: no standby worker waits
+        for its imports)."""
+        assert self.standby is not None and self.warm is not None, "standby workers come with a warm pool"
+        if self.standby.unusable is not None or not self.warm.fill():
+            return False
+        self.standby.fill()
+        self.warm.fill()  # the forks the standby workers took
+        return True
 
     def retire(self) -> None:
         """This round's workers are done with it: keep those that can take the next one in process, stop the rest."""
@@ -242,7 +244,7 @@ class RoundWorkers:
             self.standby.stop(signum)
 
     def stop_round_workers(self, signum: int = signal.SIGTERM) -> None:
-        """Stop the workers of this node's rounds; standby workers wait on for the node's first round."""
+        """Stop the workers of this node's rounds; standby workers wait on for a round that needs them."""
         self.stop_retired(signum)
         if self.group is not None:
             self.group.stop(signum)

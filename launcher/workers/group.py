@@ -20,7 +20,7 @@ from launcher.rendezvous.records import DrainReport, MasterRecord, Member, Round
 from launcher.workers import failure_evidence
 from launcher.workers.environment import ERROR_FILE, HEARTBEAT_FILE, node_worker_env, worker_env
 from launcher.workers.output import STREAMS, StreamRoute, WorkerOutput
-from launcher.workers.process_tree import WorkerProcess, stop_group, supervised_command
+from launcher.workers.process_tree import WorkerProcess, stop_group, supervised_command, worker_under
 from launcher.workers.round_link import RoundLink
 from launcher.workers.stack_dumps import read_dump
 from launcher.workers.standby import StandbyWorkers
@@ -268,7 +268,7 @@ class WorkerGroup:
                     local_rank,
                     self.config.inprocess_timeout,
                 )
-                self.reentering[local_rank] = now + dump_stacks(process)
+                self.reentering[local_rank] = now + dump_stacks(worker_under(process.pid))
             elif now >= deadline:
                 del self.reentering[local_rank]
                 stop_group([process], 0.0, signal.SIGKILL)

@@ -206,6 +206,11 @@ def kill_descendants(pid: int, timeout_s: float = _STRAY_KILL_TIMEOUT_S, reap: b
         time.sleep(0.005)
 
 
+def worker_under(supervisor: int) -> int:
+    """The worker `supervisor` runs (its first child), or the supervisor itself before the worker started."""
+    return next(iter(own_children(supervisor)), supervisor)
+
+
 def _is_supervisor(pid: int) -> bool:
     try:
         arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -241,7 +246,7 @@ def _worker_of(supervisor: int, children: dict[int, list[int]], processes: dict[
         # (an exited worker not yet reaped included, so that no orphan is taken for it)
         child = min(children.get(child, ()), key=lambda p: (int(processes[p][19]), p), default=child)  # starttime
         if child == supervisor:  # it may have forked since the snapshot: a forked supervisor names itself after
-            child = next(iter(own_children(supervisor)), supervisor)
+            child = worker_under(supervisor)
     # a warm worker is named so from its fork until its launch, and a standby worker until its first round; its
     # supervisor has the zygote's name until the worker is forked, and its own after; the round's store, forked
     # from the zygote too, is no worker

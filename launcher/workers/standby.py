@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from elastic.rounds import READY_MESSAGE, ROUND_FD_ENV
 from launcher.config import LaunchConfig
-from launcher.workers.environment import node_worker_env, standby_env
-from launcher.workers.process_tree import WorkerProcess, own_children, stop_group
+from launcher.workers.environment import standby_env
+from launcher.workers.process_tree import WorkerProcess, stop_group, worker_under
 from launcher.workers.round_link import RoundLink
 from launcher.workers.warm_interpreter import MAX_MESSAGE_BYTES, STANDBY_NAME, calls_elastic_run
 from launcher.workers.warm_pool import WarmPool
@@ -54,11 +54,10 @@ class StandbyWorker:
 class StandbyWorkers:
     """This node's standby workers, at most one per local rank."""
 
-    def __init__(self, config: LaunchConfig, warm: WarmPool, addr: str) -> None:
+    def __init__(self, config: LaunchConfig, warm: WarmPool) -> None:
         assert config.log_dir is not None, "elastic-run picks the log dir before the agent starts"
         self.config = config
-        self.warm = warm
-        self.node_env = node_worker_env(addr, config.nproc_per_node)
+        self.warm = warm  # its environment is the node's part of the worker environment (node_worker_env)
         self.log_dir = config.log_dir / config.node_id / "standby"
         self.workers: dict[int, StandbyWorker] = {}
         # why the script cannot wait in standby (None: it can, as far as we know)
@@ -73,7 +72,7 @@ class StandbyWorkers:
                 self._start(local_rank)
 
     def _start(self, local_rank: int) -> None:
-        worker = self.warm.take(local_rank, self.node_env)
+        worker = self.warm.take(local_rank, self.warm.env)
         if worker is None:
             return  # the warm pool said why; the rank starts warm or cold with its round
         link = RoundLink.pair()
@@ -81,7 +80,7 @@ class StandbyWorkers:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / "stdout.log", "ab") as out, open(directory / "stderr.log", "ab") as err:
             launched = worker.launch(
-                standby_env(self.config, self.node_env, local_rank),
+                standby_env(self.config, self.warm.env, local_rank),
                 [self.config.entrypoint, *self.config.args],
                 out.fileno(),
                 err.fileno(),
@@ -146,7 +145,7 @@ class StandbyWorkers:
 
     def pids(self) -> list[int]:
         """The workers' pids, which the training shows (each runs under a supervisor)."""
-        return [next(iter(own_children(w.process.pid)), w.process.pid) for w in self.workers.values()]
+        return [worker_under(w.process.pid) for w in self.workers.values()]
 
     def hand_over(self, local_rank: int, offer: Callable[[RoundLink], bool]) -> tuple[WorkerProcess, RoundLink] | None:
         """The standby worker of `local_rank` and its round socket, once `offer` handed it its round (None: there

@@ -223,16 +223,12 @@ class Watchdog:
     def _dump(self, worker: _Worker, process: WorkerProcess) -> float:
         """Ask for the stack dump; the seconds to wait before the kill."""
         snapshot = worker.watch.snapshot
-        owner = self._owner(worker, process)
-        if snapshot is None or not snapshot.dump_signal or not _catches(owner, snapshot.dump_signal):
-            return 0.0  # no handler (never registered, or gone in interpreter shutdown): the signal would kill it
-        try:
-            os.kill(owner, snapshot.dump_signal)
-            os.kill(owner, signal.SIGCONT)  # a stopped worker handles the signal once continued
-        except (ProcessLookupError, PermissionError):
+        if snapshot is None:
             return 0.0
-        signal_group(process, signal.SIGCONT)
-        return DUMP_GRACE_S
+        grace = dump_stacks(self._owner(worker, process), snapshot.dump_signal)
+        if grace:
+            signal_group(process, signal.SIGCONT)
+        return grace
 
     def _kill(self, worker: _Worker, process: WorkerProcess) -> float:
         """SIGKILL the worker; the seconds until its whole process group gets SIGKILL too.
@@ -263,15 +259,15 @@ def _descends_from(pid: int, ancestor: int, depth: int = 8) -> bool:
     return False
 
 
-def dump_stacks(process: WorkerProcess) -> float:
-    """Have the worker under `process` (its supervisor) write every thread's stack to its stderr, through the
-    handler `elastic.channel` registers; the seconds to give it before it is killed (0: it has no handler)."""
-    worker = next(iter(own_children(process.pid)), process.pid)
-    if not _catches(worker, channel.DUMP_SIGNAL):
+def dump_stacks(worker: int, signum: int = channel.DUMP_SIGNAL) -> float:
+    """Have `worker` write every thread's stack to its stderr, through the handler `elastic.channel` registers for
+    `signum`; the seconds to give it before it is killed (0: it has no handler, never registered or gone in
+    interpreter shutdown, and the signal would kill it)."""
+    if not signum or not _catches(worker, signum):
         return 0.0
     try:
-        os.kill(worker, channel.DUMP_SIGNAL)
-        os.kill(worker, signal.SIGCONT)
+        os.kill(worker, signum)
+        os.kill(worker, signal.SIGCONT)  # a stopped worker handles the signal once continued
     except (ProcessLookupError, PermissionError):
         return 0.0
     return DUMP_GRACE_S

@@ -89,7 +89,7 @@ def config(tmp_path: Path, script: str) -> LaunchConfig:
 def test_a_standby_worker_waits_in_elastic_run_and_takes_its_first_round_as_main(tmp_path):
     out_path = tmp_path / "round-out"
     with warm_pool() as pool:
-        standby = StandbyWorkers(config(tmp_path, WAITS_AT_RUN), pool, ADDR)
+        standby = StandbyWorkers(config(tmp_path, WAITS_AT_RUN), pool)
         standby.fill()
         try:
             assert standby.wait_ready(60, lambda: False) is None
@@ -128,7 +128,7 @@ def test_a_standby_worker_waits_in_elastic_run_and_takes_its_first_round_as_main
 
 def test_a_script_that_reads_its_rank_before_elastic_run_is_not_ready_and_says_where_to_look(tmp_path):
     with warm_pool() as pool:
-        standby = StandbyWorkers(config(tmp_path, READS_RANK_FIRST), pool, ADDR)
+        standby = StandbyWorkers(config(tmp_path, READS_RANK_FIRST), pool)
         standby.fill()
         try:
             why_not = standby.wait_ready(60, lambda: False)
@@ -143,7 +143,7 @@ def test_a_script_that_reads_its_rank_before_elastic_run_is_not_ready_and_says_w
 
 def test_a_standby_worker_that_never_gets_a_round_is_stopped_with_its_node(tmp_path):
     with warm_pool() as pool:
-        standby = StandbyWorkers(config(tmp_path, WAITS_AT_RUN), pool, ADDR)
+        standby = StandbyWorkers(config(tmp_path, WAITS_AT_RUN), pool)
         standby.fill()
         assert standby.wait_ready(60, lambda: False) is None
         [worker] = standby.pids()
@@ -156,6 +156,6 @@ def test_a_standby_worker_that_never_gets_a_round_is_stopped_with_its_node(tmp_p
 
 def test_a_script_without_elastic_run_is_not_started_in_standby(tmp_path):
     with warm_pool() as pool:
-        standby = StandbyWorkers(config(tmp_path, "print('trains at once')\n"), pool, ADDR)
+        standby = StandbyWorkers(config(tmp_path, "print('trains at once')\n"), pool)
         standby.fill()
         assert standby.workers == {} and standby.unusable == "the script does not call elastic.run"
