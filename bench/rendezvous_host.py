@@ -136,10 +136,10 @@ class NoopWorkerGroup:
 
     def __init__(self, host: HostState, config, round_, member, master, startups=None, warm=None) -> None:
         self.round, self.member, self.master = round_, member, master
-        self.started_inprocess = 0
+        self.started_inprocess = self.started_prepared = 0
         host.note("workers", round_.round, time.time())
 
-    def start(self, previous=None) -> None:
+    def start(self, previous=None, standby=None) -> None:
         pass
 
     def stop_all_but_reentrant(self) -> None:
@@ -181,23 +181,15 @@ class BenchAgent(Agent):
                 return
             host.note("registered", None, time.time())
 
-        def timed_acknowledge(
-            round_: int,
-            round_revision: int,
-            node: str,
-            pid: int,
-            inprocess: int = 0,
-            fresh: int = 0,
-            prepared: int = 0,
-        ) -> bool:
-            committed = acknowledge(round_, round_revision, node, pid, inprocess, fresh, prepared)
+        def timed_acknowledge(round_: int, *rest, **named) -> bool:
+            committed = acknowledge(round_, *rest, **named)
             if committed:
                 host.note("acked", round_, time.time())
             return committed
 
         # wraps the methods of this agent's own store object, so every caller in the agent goes through them
         self.store.register = timed_register  # type: ignore[method-assign]  # same signature, wrapped
-        self.store.acknowledge = timed_acknowledge  # type: ignore[method-assign]  # same signature, wrapped
+        self.store.acknowledge = timed_acknowledge  # type: ignore[method-assign]  # JobStore.acknowledge, wrapped
 
     def enter_round(self, header, revision) -> None:
         super().enter_round(header, revision)
