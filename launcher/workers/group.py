@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from elastic import channel
 from elastic.rounds import ROUND_FD_ENV
 from launcher.config import LaunchConfig
 from launcher.rendezvous.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
@@ -25,7 +26,7 @@ from launcher.workers.round_link import RoundLink
 from launcher.workers.stack_dumps import read_dump
 from launcher.workers.standby import StandbyWorkers
 from launcher.workers.warm_pool import WarmPool, WarmWorker
-from launcher.workers.watchdog import Watchdog, dump_stacks
+from launcher.workers.watchdog import StackDump, Watchdog
 from launcher.workers.watchdog_rules import Policy, Stall, StartupHistory
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class WorkerGroup:
         # local ranks handed this round in process, until the worker opens this round's channel: by when it must
         self.reentering: dict[int, float] = {}
         self._handed_over: set[int] = set()  # local ranks whose worker the next round took over
-        self._dumped: set[int] = set()  # local ranks whose worker did not re-enter in time: stacks dumped
+        self._dumps: dict[int, StackDump] = {}  # local ranks whose worker did not re-enter in time: stacks asked
         self._exited_at: dict[int, float] = {}
         # workers that wrote their error file (torch's @record: an uncaught exception) but have not exited yet:
         # their interpreter's teardown takes 0.4-0.8 s with torch loaded, and a peer waiting on them fails only
@@ -252,15 +253,15 @@ class WorkerGroup:
 
     def _follow_reentries(self) -> None:
         """A worker handed this round in process has until --inprocess-timeout to open the round's channel;
-        past it, its stacks are dumped (to the last round's stderr: it never switched), and a moment later it is
-        killed and its rank starts in a new process."""
+        past it, its stacks are dumped (to the last round's stderr: it never switched), and once they are written
+        it is killed and its rank starts in a new process."""
         now = time.monotonic()
         for local_rank, deadline in list(self.reentering.items()):
             process = self.processes[local_rank]
+            dump = self._dumps.get(local_rank)
             if self.watchdog.opened(local_rank) or process.poll() is not None:
                 del self.reentering[local_rank]
-            elif now >= deadline and local_rank not in self._dumped:
-                self._dumped.add(local_rank)
+            elif now >= deadline and dump is None:
                 logger.warning(
                     "round %d: worker local_rank %d did not re-enter within --inprocess-timeout %gs: dumping its "
                     "stacks, then replacing it with a new process",
@@ -268,9 +269,9 @@ class WorkerGroup:
                     local_rank,
                     self.config.inprocess_timeout,
                 )
-                self.reentering[local_rank] = now + dump_stacks(worker_under(process.pid))
-            elif now >= deadline:
-                del self.reentering[local_rank]
+                self._dumps[local_rank] = StackDump.ask(worker_under(process.pid), channel.DUMP_SIGNAL, now)
+            elif dump is not None and dump.over(now):
+                del self.reentering[local_rank], self._dumps[local_rank]
                 stop_group([process], 0.0, signal.SIGKILL)
                 self.round_links.pop(local_rank).close()
                 self.watchdog.renew(local_rank)

@@ -5,7 +5,8 @@ once a worker has been silent for the least allowance there can be: no etcd, no 
 worker is hung and when a node is stalled are the rules of `launcher.workers.watchdog_rules`.
 
 A hung worker gets the signal its library registered with faulthandler (every thread's Python stack to its
-stderr), SIGCONT (a stopped process handles no signal), and `DUMP_GRACE_S` later SIGKILL, then its process group
+stderr), SIGCONT (a stopped process handles no signal), and once the dump is written (`StackDump`: at most
+`DUMP_GRACE_S` later) SIGKILL, then its process group
 SIGKILL (at once when the worker leads it; `DUMP_GRACE_S` later when a supervisor runs it and takes its tree down).
 Before the kill the agent reads which of its TCP connections stalled (`launcher.workers.failure_evidence`): evidence of
 a broken path to a peer. Its failure carries `hung`, `seconds_silent`, `last_step` and those peers
@@ -35,7 +36,7 @@ from launcher.workers.watchdog_rules import STALL_MIN_S, Hang, Policy, Stall, St
 
 logger = logging.getLogger(__name__)
 
-DUMP_GRACE_S = 1.0  # from the stack-dump signal to SIGKILL: time for faulthandler to write
+DUMP_GRACE_S = 1.0  # from the stack-dump signal to SIGKILL at the latest: time for faulthandler to write
 
 
 @dataclass
@@ -44,7 +45,7 @@ class _Worker:
     watch: WorkerWatch = field(default_factory=WorkerWatch)
     view: mmap.mmap | None = None
     hang: Hang | None = None
-    kill_at: float | None = None  # SIGKILL to the worker
+    dump: StackDump | None = None  # asked of it when found hung; SIGKILL once it is over
     group_kill_at: float | None = None  # SIGKILL to its process group, if it still runs
     started: bool = False  # its first heartbeat was seen
     spared: bool = False  # found hung, left alive: it runs under elastic.run and takes the next round in process
@@ -77,7 +78,7 @@ class Watchdog:
 
     def acting(self) -> bool:
         """A hung worker is being dumped or killed: its failure is about to be reported."""
-        return any(w.kill_at is not None or w.group_kill_at is not None for w in self.workers)
+        return any(w.dump is not None or w.group_kill_at is not None for w in self.workers)
 
     def hang(self, local_rank: int) -> Hang | None:
         return self.workers[local_rank].hang if local_rank < len(self.workers) else None
@@ -90,7 +91,7 @@ class Watchdog:
         now = self.clock()
         for local_rank, (worker, process) in enumerate(zip(self.workers, processes)):
             if process.poll() is not None:
-                worker.kill_at = worker.group_kill_at = None  # nothing left to kill
+                worker.dump = worker.group_kill_at = None  # nothing left to kill
                 continue
             if worker.hang is None:
                 worker.hang = self._find_hang(self.policy, worker, process, now)
@@ -105,9 +106,9 @@ class Watchdog:
                         worker.hang.summary(),
                         "leaving it alive for the next round" if worker.spared else "killing its process group",
                     )
-                    worker.kill_at = now + self._dump(worker, process)
-            if worker.kill_at is not None and now >= worker.kill_at:
-                worker.kill_at = None
+                    worker.dump = self._dump(worker, process, now)
+            if worker.dump is not None and worker.dump.over(now):
+                worker.dump = None
                 if worker.spared:
                     logger.warning(
                         "worker local_rank %d (rank %d) runs under elastic.run: left alive for the next round",
@@ -220,15 +221,15 @@ class Watchdog:
             return snapshot.pid
         return process.pid
 
-    def _dump(self, worker: _Worker, process: WorkerProcess) -> float:
-        """Ask for the stack dump; the seconds to wait before the kill."""
+    def _dump(self, worker: _Worker, process: WorkerProcess, now: float) -> StackDump:
+        """Ask for the stack dump the kill waits for."""
         snapshot = worker.watch.snapshot
         if snapshot is None:
-            return 0.0
-        grace = dump_stacks(self._owner(worker, process), snapshot.dump_signal)
-        if grace:
+            return StackDump.none(now)
+        dump = StackDump.ask(self._owner(worker, process), snapshot.dump_signal, now)
+        if dump.deadline > now:
             signal_group(process, signal.SIGCONT)
-        return grace
+        return dump
 
     def _kill(self, worker: _Worker, process: WorkerProcess) -> float:
         """SIGKILL the worker; the seconds until its whole process group gets SIGKILL too.
@@ -259,9 +260,50 @@ def _descends_from(pid: int, ancestor: int, depth: int = 8) -> bool:
     return False
 
 
+@dataclass
+class StackDump:
+    """A stack dump asked of a worker (`ask`), over once it is written or `DUMP_GRACE_S` passed.
+
+    Written, by the evidence in /proc: the signal is no longer pending, the worker wrote since it was sent (its
+    `wchar` grew), and then wrote nothing more between two checks. faulthandler writes the whole dump from its
+    signal handler within milliseconds, so a hung worker is killed a poll or two after the signal instead of a
+    fixed second later, and its round changes that much sooner. Where /proc cannot tell, the grace decides."""
+
+    pid: int
+    signum: int
+    deadline: float
+    written_before: int | None  # the worker's wchar before the signal (None: unreadable)
+    written_last: int | None = None  # at the last check since it grew
+
+    @classmethod
+    def none(cls, now: float) -> StackDump:
+        """No dump to wait for."""
+        return cls(0, 0, now, None)
+
+    @classmethod
+    def ask(cls, worker: int, signum: int, now: float) -> StackDump:
+        """Have `worker` write every thread's stack to its stderr, through the handler `elastic.channel` registers
+        for `signum` (none is asked of a worker without it, never registered or gone in interpreter shutdown: the
+        signal would kill it)."""
+        before = _bytes_written(worker)
+        grace = dump_stacks(worker, signum)
+        return cls(worker, signum, now + grace, before)
+
+    def over(self, now: float) -> bool:
+        if now >= self.deadline:
+            return True
+        if self.written_before is None or _pending(self.pid, self.signum):
+            return False
+        written = _bytes_written(self.pid)
+        if written is None or written == self.written_before:
+            return False
+        settled, self.written_last = written == self.written_last, written
+        return settled
+
+
 def dump_stacks(worker: int, signum: int = channel.DUMP_SIGNAL) -> float:
     """Have `worker` write every thread's stack to its stderr, through the handler `elastic.channel` registers for
-    `signum`; the seconds to give it before it is killed (0: it has no handler, never registered or gone in
+    `signum`; the seconds to give it at most before it is killed (0: it has no handler, never registered or gone in
     interpreter shutdown, and the signal would kill it)."""
     if not signum or not _catches(worker, signum):
         return 0.0
@@ -271,6 +313,28 @@ def dump_stacks(worker: int, signum: int = channel.DUMP_SIGNAL) -> float:
     except (ProcessLookupError, PermissionError):
         return 0.0
     return DUMP_GRACE_S
+
+
+def _bytes_written(pid: int) -> int | None:
+    """The bytes `pid` passed to write calls so far (`wchar` of /proc/PID/io); None where it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits to be delivered to `pid` (SigPnd or ShdPnd of its /proc status; False where unknown)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) >> (signum - 1) & 1:
+                return True
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def _catches(pid: int, signum: int) -> bool:
