@@ -32,6 +32,10 @@ log each rank writes, for each system:
                quorum); a chaos run that --deadline cuts short is measured up to its last step;
   pauses       every gap between two new committed steps longer than 5 x the fault-free median step (at least
                1 s), with the faults and joins that came in it;
+  changing_s   the chaos run's seconds in gaps between two new committed steps longer than 3 x the fault-free
+               median step: the time its membership changes took, small ones included;
+  median_step_s  the fault-free and the chaos run's median step: the rest of chaos_s (on one machine a joining
+               node's start-up, its interpreters importing torch, takes CPU from the nodes that train);
   redone       steps committed again after a later step was (a new round resumed from before them);
   dropped      steps a torchft quorum did not commit (should_commit() said no);
   world        the mean number of ranks that committed a step: torchft trains a smaller batch while groups are
@@ -463,6 +467,7 @@ def compare(free: Run, chaos: Run) -> dict:
     follows = chaos.system.batch_follows_world
     median = statistics.median(b[0] - a[0] for a, b in zip(free_steps, free_steps[1:]))
     long_gap = max(1.0, 5 * median)
+    chaos_gaps = [b[0] - a[0] for a, b in zip(chaos_steps, chaos_steps[1:])]
     pauses: list[dict[str, Any]] = []
     cut = [(chaos.cut_at, 0, 0)] if chaos.cut_at else []  # the pause the deadline ended
     for (before, step, _), (after, _, _) in zip(chaos_steps, [*chaos_steps[1:], *cut]):
@@ -489,6 +494,8 @@ def compare(free: Run, chaos: Run) -> dict:
         "redone": redone_steps(chaos_records),
         "dropped": len({r["step"] for r in chaos_records if not r.get("committed", True)}),
         "world": round(statistics.mean(world for _, _, world in chaos_steps), 2),
+        "changing_s": round(sum(gap for gap in chaos_gaps if gap > 3 * median), 1),
+        "median_step_s": [round(median, 4), round(statistics.median(chaos_gaps), 4)],
         "longest_pause_s": max((float(p["s"]) for p in pauses), default=0.0),
         "pauses": pauses,
     }
