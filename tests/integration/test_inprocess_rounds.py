@@ -75,8 +75,8 @@ def workers_started(cluster) -> list[dict]:
 
 def stuck_and_replaced(agent_output: str, round_: int) -> int:
     """Survivors that did not re-enter within --inprocess-timeout and were replaced, as the issue's fallback
-    has it. Known defect, about one run in three on a loaded 2-core machine: the abort does not unblock a gloo
-    all_gather that FSDP's forward issued (the dump the agent takes shows it in `foreach_all_gather`)."""
+    has it. Known defect, rare (1 run in 22 of this module's stop tests next to a busy loop): the abort does not
+    unblock a gloo collective (the agent's dumps showed FSDP's `foreach_all_gather` and train.py's all_reduce)."""
     return len(re.findall(rf"round {round_}: worker local_rank \d+ did not re-enter within", agent_output))
 
 
