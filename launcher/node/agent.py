@@ -35,7 +35,7 @@ from launcher.etcd import client as etcd_client
 from launcher.etcd.errors import EtcdUnavailable
 from launcher.etcd.lease_keeper import LeaseRoutes
 from launcher.etcd.watch import RangeMirror
-from launcher.node import rules
+from launcher.node import exit_deadline, rules
 from launcher.node.controller_seat import ControllerSeat
 from launcher.node.incarnation import Incarnation
 from launcher.node.round_reporter import RoundReporter
@@ -117,6 +117,7 @@ class Agent:
         self.liveness.start()
         node_memory.create_empty(self.memory_dir)
         node_memory.remove_abandoned(self.memory_dir.parent)
+        exit_status = 1  # unless the loop decides otherwise
         try:
             prepared = 0
             if self.warm is not None:
@@ -126,8 +127,11 @@ class Agent:
                     self.warm.wait_before_joining(interrupted)
                     prepared = self.workers.prepare(interrupted)
             self._join(prepared)
-            return self._loop()
+            exit_status = self._loop()
+            return exit_status
         finally:
+            if threading.current_thread() is threading.main_thread():  # not an agent a bench runs in a thread
+                exit_deadline.arm(exit_status, self.config.worker_stop_timeout)
             self.seat.stop()
             self.workers.stop()
             if self.warm is not None:

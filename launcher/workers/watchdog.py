@@ -317,32 +317,32 @@ def dump_stacks(worker: int, signum: int = channel.DUMP_SIGNAL) -> float:
 
 def _bytes_written(pid: int) -> int | None:
     """The bytes `pid` passed to write calls so far (`wchar` of /proc/PID/io); None where it cannot be read."""
-    try:
-        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_fields(pid, "io").get("wchar")
 
 
 def _pending(pid: int, signum: int) -> bool:
     """Whether `signum` waits to be delivered to `pid` (SigPnd or ShdPnd of its /proc status; False where unknown)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) >> (signum - 1) & 1:
-                return True
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
+    status = _proc_fields(pid, "status", base=16)
+    return any(status.get(mask, 0) >> (signum - 1) & 1 for mask in ("SigPnd", "ShdPnd"))
 
 
 def _catches(pid: int, signum: int) -> bool:
     """Whether `pid` has a handler installed for `signum` (its SigCgt mask in /proc; True where unknown)."""
+    caught = _proc_fields(pid, "status", base=16).get("SigCgt")
+    return caught is None or bool(caught >> (signum - 1) & 1)
+
+
+def _proc_fields(pid: int, name: str, base: int = 10) -> dict[str, int]:
+    """The numeric `key: value` lines of /proc/PID/<name> (those in `base`); empty where it cannot be read."""
+    fields = {}
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return True
+        text = Path(f"/proc/{pid}/{name}").read_text()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        try:
+            fields[key] = int(value.split()[0], base)
+        except (ValueError, IndexError):
+            continue  # not a number in this base (a name, a list): not one of the fields asked for
+    return fields
