@@ -75,8 +75,8 @@ def workers_started(cluster) -> list[dict]:
 
 def stuck_and_replaced(agent_output: str, round_: int) -> int:
     """Survivors that did not re-enter within --inprocess-timeout and were replaced, as the issue's fallback
-    has it. Known defect, rare (1 run in 22 of this module's stop tests next to a busy loop): the abort does not
-    unblock a gloo collective (the agent's dumps showed FSDP's `foreach_all_gather` and train.py's all_reduce)."""
+    has it. Known gap, rare (1 run in 22 of this module's stop tests next to a busy loop): the abort does not end a
+    send gloo had queued behind a stopped peer (test_gloo_abort.py reproduces it)."""
     return len(re.findall(rf"round {round_}: worker local_rank \d+ did not re-enter within", agent_output))
 
 
