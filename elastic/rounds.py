@@ -25,6 +25,10 @@ to `ELASTIC_ROUND_WAIT` seconds (elastic-run sets it: the lease plus --inprocess
 replaces the lost peer, and raises the error only if none comes. Other exceptions (`ValueError`, a bug) end
 the worker at once, as without `run`. The agent kills a worker that has not re-entered within
 --inprocess-timeout and starts its rank anew; a crashed or hung worker is always replaced by a new process.
+One wait no abort ends is known: a send gloo queued behind a peer that stopped reading
+(`tests/integration/test_gloo_abort.py`). A worker whose main thread still sits there `STUCK_AFTER_S` after
+the offer (inside torch.distributed, at one instruction, in a futex wait) dumps its stacks and exits with
+`UNWIND_STUCK_EXIT`, and its agent starts the rank anew in the same round, without waiting out the timeout.
 
 A node that joins a job already training starts its workers before it registers, in standby
 (`ELASTIC_STANDBY`): the script runs up to `run`, which tells the agent it is ready and waits for the round that
@@ -36,6 +40,7 @@ Outside elastic-run (plain `python`, torchrun, `--no-inprocess`) `run` calls `ma
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import logging
@@ -56,6 +61,10 @@ logger = logging.getLogger(__name__)
 ROUND_FD_ENV = "ELASTIC_ROUND_FD"  # the worker's end of its round socket
 ROUND_WAIT_ENV = "ELASTIC_ROUND_WAIT"  # seconds a worker whose collective failed waits for the next round
 STANDBY_ENV = "ELASTIC_STANDBY"  # set: started before its first round, which comes over the round socket
+# a collective the abort ends has raised long before this; one still waiting then waits on what no abort ends
+STUCK_AFTER_S = 2.0
+STUCK_LOOKS = 5  # over one more second: the main thread sat at the same instruction, in a futex wait, each time
+UNWIND_STUCK_EXIT = 75  # the worker could not unwind and left for its agent to start its rank anew (EX_TEMPFAIL)
 READY_MESSAGE = b'{"ready": true}'  # a standby worker's word to its agent: it reached `run`
 MAX_OFFER_BYTES = 4 << 20
 Result = TypeVar("Result")
@@ -133,6 +142,27 @@ class RoundLink:
                 self._arrived.notify_all()
             shut = process_groups.abort_all()
             logger.info("round %s offered: aborted the process groups (%d connections shut down)", offer.round, shut)
+            threading.Thread(target=self._follow_unwinding, args=(offer,), name="elastic-unwind", daemon=True).start()
+
+    def _follow_unwinding(self, offer: Offer) -> None:
+        """Leave at once (`UNWIND_STUCK_EXIT`) if the main thread is still blocked where the abort cannot reach,
+        `STUCK_AFTER_S` after `offer`; otherwise the agent's --inprocess-timeout stays the judge."""
+        with self._arrived:
+            if self._arrived.wait_for(lambda: self._offer is not offer, STUCK_AFTER_S):
+                return  # main took it (or a newer round's offer replaced it, followed on its own)
+        where = _blocked_in_torch_distributed()
+        if where is None or self._offer is not offer:
+            return
+        logger.error(
+            "round %s offered %.1fs ago: main is still blocked at %s, inside torch.distributed, though its groups' "
+            "connections were shut down (a send gloo queued behind a stopped peer, which no abort ends); leaving "
+            "for elastic-run to start this rank anew",
+            offer.round,
+            time.monotonic() - offer.received,
+            where,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(UNWIND_STUCK_EXIT)
 
     def pending(self) -> bool:
         return self._offer is not None
@@ -203,6 +233,37 @@ def _next_round(link: RoundLink, exc: Exception) -> Offer | None:
     )
     with channel.long_operation("waiting for the next round", timeout=link.wait_s + 5):
         return link.take(link.wait_s)
+
+
+def _blocked_in_torch_distributed(looks: int = STUCK_LOOKS, interval_s: float = 0.25) -> str | None:
+    """Where the main thread waits, if at each of `looks` it sat at one instruction of torch.distributed's Python
+    code in a futex wait: a collective's wait, not a computation, I/O or a sleep (None otherwise, or where Linux's
+    /proc cannot tell)."""
+    main = threading.main_thread()
+    package = f"{os.sep}torch{os.sep}distributed{os.sep}"
+    seen = None
+    for look in range(looks):
+        if look:
+            time.sleep(interval_s)
+        frame = sys._current_frames().get(main.ident or 0)
+        # the main thread leads its process's threads: its id is the pid (threading's native_id can be the
+        # zygote's, in a warm worker forked from it)
+        if frame is None or package not in frame.f_code.co_filename or not _in_futex_wait(os.getpid()):
+            return None
+        here = (id(frame), frame.f_lasti)
+        if seen is not None and here != seen:
+            return None
+        seen = here
+    assert frame is not None
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _in_futex_wait(thread: int) -> bool:
+    """Whether the thread sleeps in the kernel on a futex (a lock or condition variable), by its wait channel."""
+    try:
+        return "futex" in Path(f"/proc/self/task/{thread}/wchan").read_text()
+    except OSError:
+        return False
 
 
 def _take_interpreter_name() -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from elastic import channel
-from elastic.rounds import ROUND_FD_ENV
+from elastic.rounds import ROUND_FD_ENV, UNWIND_STUCK_EXIT
 from launcher.config import LaunchConfig
 from launcher.rendezvous.records import DrainReport, MasterRecord, Member, RoundHeader, WorkerFailure
 from launcher.workers import failure_evidence
@@ -254,13 +254,24 @@ class WorkerGroup:
     def _follow_reentries(self) -> None:
         """A worker handed this round in process has until --inprocess-timeout to open the round's channel;
         past it, its stacks are dumped (to the last round's stderr: it never switched), and once they are written
-        it is killed and its rank starts in a new process."""
+        it is killed and its rank starts in a new process. One that found itself blocked where no abort reaches
+        exits with `UNWIND_STUCK_EXIT` first (elastic.rounds): its rank starts anew at once."""
         now = time.monotonic()
         for local_rank, deadline in list(self.reentering.items()):
             process = self.processes[local_rank]
             dump = self._dumps.get(local_rank)
-            if self.watchdog.opened(local_rank) or process.poll() is not None:
+            if self.watchdog.opened(local_rank):
                 del self.reentering[local_rank]
+            elif process.poll() is not None:
+                del self.reentering[local_rank]
+                if process.returncode == UNWIND_STUCK_EXIT:
+                    logger.warning(
+                        "round %d: worker local_rank %d could not unwind (blocked where no abort reaches; its stacks "
+                        "are in the last round's output): starting it anew",
+                        self.round.round,
+                        local_rank,
+                    )
+                    self._start_anew(local_rank, process)
             elif now >= deadline and dump is None:
                 logger.warning(
                     "round %d: worker local_rank %d did not re-enter within --inprocess-timeout %gs: dumping its "
@@ -272,10 +283,14 @@ class WorkerGroup:
                 self._dumps[local_rank] = StackDump.ask(worker_under(process.pid), channel.DUMP_SIGNAL, now)
             elif dump is not None and dump.over(now):
                 del self.reentering[local_rank], self._dumps[local_rank]
-                stop_group([process], 0.0, signal.SIGKILL)
-                self.round_links.pop(local_rank).close()
-                self.watchdog.renew(local_rank)
-                self.processes[local_rank] = self._launch(local_rank, None)
+                self._start_anew(local_rank, process)
+
+    def _start_anew(self, local_rank: int, process: WorkerProcess) -> None:
+        """Replace the worker of `local_rank`, handed this round in process, by a new one (it is killed if it runs)."""
+        stop_group([process], 0.0, signal.SIGKILL)
+        self.round_links.pop(local_rank).close()
+        self.watchdog.renew(local_rank)
+        self.processes[local_rank] = self._launch(local_rank, None)
 
     def hand_over(self, local_rank: int, offer: Callable[[RoundLink], bool]) -> tuple[WorkerProcess, RoundLink] | None:
         """The worker of `local_rank` and its round socket, once `offer` handed it the next round: one that runs
