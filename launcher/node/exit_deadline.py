@@ -9,6 +9,7 @@ import faulthandler
 import os
 import sys
 import threading
+import time
 
 EXIT_MARGIN_S = 30.0  # beyond the workers' own stop grace: ample for everything else the exit does
 
@@ -16,10 +17,9 @@ EXIT_MARGIN_S = 30.0  # beyond the workers' own stop grace: ample for everything
 def arm(status: int, stop_s: float, margin_s: float = EXIT_MARGIN_S) -> None:
     """From now on this process exits with `status` within `stop_s + margin_s`, however it is held."""
     limit = stop_s + margin_s
-    expired = threading.Event()
 
     def expire() -> None:
-        expired.wait(limit)
+        time.sleep(limit)
         print(
             f"elastic-run: the agent's exit took over {limit:g}s; the stacks of its threads follow, then it exits "
             f"with status {status}",
