@@ -66,7 +66,12 @@ class HookedClient(pyetcd.MultiEndpointEtcd3Client):
     def _calling(self) -> threading.local:
         """Per thread, of this client: the endpoint of its latest call (made on first use: pyetcd's constructor
         already calls, to log in)."""
-        return self.__dict__.setdefault("_calls_by_thread", threading.local())
+        calls = self.__dict__.get("_calls_by_thread")
+        if calls is None:
+            # made once: every threading.local that is dropped walks every thread of the process (0.2 ms per call
+            # with the 780 threads of a rendezvous_bench host)
+            calls = self.__dict__.setdefault("_calls_by_thread", threading.local())
+        return calls
 
     def _manage_grpc_errors(self, exc: grpc.RpcError) -> NoReturn:
         self.on_grpc_error(exc)
@@ -111,6 +116,18 @@ class HookedClient(pyetcd.MultiEndpointEtcd3Client):
 
 class HookedWatcher(pyetcd_watch.Watcher):
     """pyetcd's watcher with the private parts our watcher uses, under names of ours."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._creating = threading.Lock()
+
+    def add_callback(self, *args: Any, **kwargs: Any) -> Any:
+        """One watch created at a time, the others queued on a lock of their own. pyetcd also lets one creation
+        pend at a time, but parks the others on the condition it notifies all of twice per creation: each
+        creation woke every thread still queued (1,024 agents sharing one client, bench/rendezvous_bench.py, made
+        that quadratic: 5.6 ms of CPU per watch created at 256 per client)."""
+        with self._creating:
+            return super().add_callback(*args, **kwargs)
 
     def _handle_response(self, rs) -> None:
         super()._handle_response(rs)

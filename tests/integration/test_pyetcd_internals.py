@@ -213,3 +213,54 @@ def test_our_client_raises_the_launcher_s_errors(etcd):
             client.put("k", "v", lease=0x1234)
     finally:
         client.close()
+
+
+class CountingCondition(threading.Condition):
+    """A condition that remembers the most threads ever waiting on it at once."""
+
+    def __init__(self, lock) -> None:
+        super().__init__(lock)
+        self.waiting = self.most_waiting = 0
+
+    def wait(self, timeout=None):
+        self.waiting += 1  # under the lock, as every wait is
+        self.most_waiting = max(self.most_waiting, self.waiting)
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting -= 1
+
+
+def test_watches_created_at_once_wait_in_line_not_on_pyetcd_s_condition(etcd):
+    # pyetcd parks every creator but one on a condition it notifies all of, twice per creation: quadratic wake-ups
+    # for agents sharing a client. Ours queue outside it, and each watch still gets its own events.
+    channel = grpc.insecure_channel(etcd.endpoint)
+    watcher = HookedWatcher(etcdrpc.WatchStub(channel), timeout=10)
+    watcher._new_watch_cond = condition = CountingCondition(watcher._lock)
+    creators = 32
+    seen: dict[int, list[bytes]] = {index: [] for index in range(creators)}
+    start = threading.Barrier(creators)
+
+    def create(index: int) -> None:
+        start.wait()
+        key = f"key{index}".encode()
+        watcher.add_callback(key, lambda response: seen[index].extend(event.key for event in response.events))
+
+    threads = [threading.Thread(target=create, args=(index,)) for index in range(creators)]
+    client = etcd_client.connect(etcd.endpoint)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        for index in range(creators):
+            client.put(f"key{index}", "v")
+        deadline = time.monotonic() + 10
+        while any(not keys for keys in seen.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen == {index: [f"key{index}".encode()] for index in range(creators)}
+        assert condition.most_waiting == 1, f"{condition.most_waiting} creators waited on pyetcd's condition at once"
+    finally:
+        watcher.close()
+        channel.close()
+        etcd_client.close(client)
