@@ -481,6 +481,7 @@ class RendezvousRun:
         self.client: Any = None
         self._hosts: Hosts | None = None
         self.watch: KeyWatch | None = None
+        self.phase: tuple[str, float, int] | None = None  # (what, when it began, live agents): see settle
         self.slices: list[list[str]] = []
         self.holdback = ""  # the agent whose registration forms round 0
         self.started = time.monotonic()
@@ -580,6 +581,7 @@ class RendezvousRun:
         if self.args.sample:
             profiler = self.profiler("form", controller_of(self.client, self.keys))
             m0, c0 = self.sample()  # from after py-spy attached
+        self.phase = ("round 0", time.time(), n)
         hosts.ask(hosts.host_of[self.holdback], "start", self.holdback)
         last_registration = hosts.wait_for("registered", None, n, 60, "last agent registered")
         known = hosts.wait_for("entered", 0, n, deadline, "agents know their rank in round 0")
@@ -665,6 +667,7 @@ class RendezvousRun:
         profiler = self.profiler("reform", controller) if self.args.sample else None
         m5, c5 = self.sample()
         death = hosts.ask(hosts.host_of[victim], "kill", victim)
+        self.phase = ("the re-form", death, n - 1)
         if self.cluster is not None:
             self.result["leader_killed_in_reform"] = kill_leader_at_expiry(self.cluster, watch, death, ttl + deadline)
         known1 = hosts.wait_for("entered", 1, n - 1, ttl + deadline, "survivors know round 1")
@@ -714,6 +717,42 @@ class RendezvousRun:
         if self._hosts is not None:
             self._hosts.dump_stacks()
             logger.error("  stacks of every host thread: %s/host<i>/stacks.txt (kept with --keep-logs)", self.workdir)
+        if self.client is not None and self.phase is not None:
+            self.settle(*self.phase)
+
+    def settle(self, phase: str, began: float, live: int) -> None:
+        """After a phase missed its deadline: does the job still converge (its newest round holds every live agent,
+        and every one of them acknowledged it)? `converged_s` counts from the phase's start (None: not within
+        --settle-deadline); `converged_round` is the round it settled in."""
+        from launcher.rendezvous.protocol import ReportKind
+        from launcher.rendezvous.records import RoundHeader
+
+        deadline = time.monotonic() + self.args.settle_deadline
+        settled = None
+        while time.monotonic() < deadline and settled is None:
+            try:
+                raw, _ = self.client.get(self.keys.round)
+                header = RoundHeader.loads(raw) if raw else None
+                if header is not None and header.size == live:
+                    acks = f"{self.keys.round_prefix(header.round)}{ReportKind.ACK.value}/"
+                    if self.client.get_prefix_response(acks, count_only=True).count >= live:
+                        settled = header.round
+            except Exception as exc:  # noqa: BLE001 - an overloaded etcd; ask again
+                logger.debug("settle: %s", exc)
+            if settled is None:
+                time.sleep(1.0)
+        self.result["converged_round"] = settled
+        self.result["converged_s"] = round(time.time() - began, 1) if settled is not None else None
+        if settled is None:
+            logger.error("  %s: the job did not converge within %.0f s more", phase, self.args.settle_deadline)
+        else:
+            logger.error(
+                "  %s: the job converged in round %d, all %d live agents acknowledged, %.1f s after it began",
+                phase,
+                settled,
+                live,
+                self.result["converged_s"],
+            )
 
     def clean_up(self) -> None:
         """Validity and anomalies, then everything this N started is stopped and (without --keep-logs) removed."""
@@ -877,6 +916,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="agents started per second per host process before round 0 (default 200; 0: all at once)",
     )
     parser.add_argument("--phase-deadline", type=float, default=120.0, help="seconds allowed per phase (default 120)")
+    parser.add_argument(
+        "--settle-deadline",
+        type=float,
+        default=120.0,
+        help="after a phase misses its deadline, seconds to wait for the job to converge anyway (default 120)",
+    )
     parser.add_argument(
         "--host-deadline", type=float, default=900.0, help="a host process exits after this (default 900)"
     )

@@ -45,9 +45,10 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAKE_S = 5.0  # a local re-check while nothing changes and no deadline is due; costs etcd nothing
 _LOG_SYNC_EVERY_S = 0.5
-# Reading the whole view costs O(nodes); at thousands of nodes a storm of changes (every agent acknowledging a
-# round) would keep the controller's process busy re-reading it. Pausing this many times the last read's cost
-# before the next one batches the storm and caps the controller at a fraction of a core.
+# Reading and deciding on the whole view costs O(nodes); at thousands of nodes a storm of changes (every agent
+# acknowledging a round) would keep the controller's process busy re-reading it. Pausing this many times the last
+# read's cost (the decision's included) before the next one batches the storm and caps the controller at a
+# fraction of a core.
 _PAUSE_PER_READ = 4.0
 _MAX_PAUSE_S = 0.25
 _RESTART_AFTER_S = 1.0  # after etcd did not answer for a whole retry deadline: a pause, then lead again
@@ -109,13 +110,13 @@ class Controller:
             started = time.monotonic()
             entries, revision, version = mirror.snapshot()
             view = self._parser.parse(entries, revision)
-            read_cost = time.monotonic() - started
             if view.controller != self.holder.encode():
                 logger.info("%s no longer controls job %s", self.holder.node, self.settings.rdzv_id)
                 return
             now = time.monotonic()
             clock = track(view, clock, now, self.settings)
             decision = decide(view, clock, now, self.settings)
+            read_cost = time.monotonic() - started
             self._sync_log(version)
             if isinstance(decision, Wait):
                 if view.status is not None:
