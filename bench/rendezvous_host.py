@@ -64,23 +64,29 @@ class HostState:
 
 
 class SharedKeepAlive:
-    """Every lease refresh of a host's agents sent on ONE LeaseKeepAlive stream, framed by `h2` on a plain socket.
+    """Every lease refresh of a host's agents sent on ONE connection, a LeaseKeepAlive stream per lease, framed by
+    `h2` on a plain socket.
 
     The agent's LeaseKeeper refreshes through `launcher.etcd.client.LeaseRoutes.refresh`, which opens a new
     LeaseKeepAlive stream per refresh, and gRPC starts a Python thread to feed each stream: ~1.3 ms of host CPU per
     refresh, which is nothing for one agent per machine but 1.3 cores for 1024 agents packed on this 2-core machine,
-    enough to starve the keepers and let leases expire. Even one long-lived gRPC stream costs 0.37 ms of host CPU
-    per message (a consumer thread, the channel's spin thread and a response iterator wake for each); the same
+    enough to starve the keepers and let leases expire. Even on long-lived gRPC streams a message costs 0.37 ms of
+    host CPU (a consumer thread, the channel's spin thread and a response iterator wake for each); the same
     messages written as HTTP/2 DATA frames by the keeper's own thread and read by one reader cost 0.20 ms (measured
     with 256 and 1,024 leases in one process). With --keepalive shared this object stands in for the routes
     process-wide (as the no-op WorkerGroup stands in for the real one): the LeaseKeepers still refresh every
-    keep_alive_interval under the same deadline, and etcd receives exactly what a gRPC client sends, one
-    LeaseKeepAliveRequest message per refresh on a gRPC stream; only the client-side transport is cheaper.
-    `carried` counts the refreshes it sent, so the coordinator can tell when the agents' refreshes no longer come
-    this way.
+    keep_alive_interval under the same deadline, and etcd receives exactly what gRPC clients send, one
+    LeaseKeepAliveRequest message per refresh on a LeaseKeepAlive stream of that agent's own; only the client-side
+    transport is cheaper. `carried` counts the refreshes it sent, so the coordinator can tell when the agents'
+    refreshes no longer come this way.
 
-    The stream runs on one member; when it breaks, or says nothing for `silence_s` while refreshes wait (a member
-    killed or cut off), it opens again on the next member of the client's endpoints.
+    A stream per lease, not one for the host: etcd answers a stream's refreshes one after another, and as leader
+    holds each until its apply loop has caught up with what raft committed (etcd 3.5's LeaseRenew). While a round's
+    acknowledgements were being applied, one shared stream made a host's 256 refreshes wait in line for seconds,
+    and that host's agents lost their leases (the 2,048-agent runs' "one host's agents never saw the round").
+
+    The connection runs on one member; when it breaks, or says nothing for `silence_s` while refreshes wait (a
+    member killed or cut off), it opens again on the next member of the client's endpoints.
     """
 
     def __init__(self, client, silence_s: float) -> None:
@@ -88,28 +94,33 @@ class SharedKeepAlive:
         self._silence_s = silence_s
         self._lock = threading.Lock()
         self._pending: dict[int, list[tuple[threading.Event, list]]] = collections.defaultdict(list)
-        self._stream: tuple[socket.socket, h2.connection.H2Connection, int] | None = None
+        self._connection: tuple[socket.socket, h2.connection.H2Connection] | None = None
+        self._streams: dict[int, int] = {}  # lease -> its stream on the connection
+        self._received: dict[int, bytes] = {}  # stream -> bytes of a message still arriving
         self._endpoint = client.endpoint_label
         self.carried = 0
         threading.Thread(target=self._run, name="shared-keepalive", daemon=True).start()
 
     def endpoints(self, lease) -> list[str]:
-        return [self._endpoint]  # the stream's
+        return [self._endpoint]  # the connection's
 
     def prefer(self, lease, endpoint: str) -> None:
-        raise AssertionError(f"the shared stream runs on one endpoint; asked to move to {endpoint}")
+        raise AssertionError(f"the shared connection runs on one endpoint; asked to move to {endpoint}")
 
     def refresh(self, lease, deadline: float, endpoint: str) -> list:
         """What `launcher.etcd.client.LeaseRoutes.refresh` does: etcd's answers, or a transient error."""
         done = threading.Event()
-        slot: list = []  # etcd's answer, appended by the stream's reader
+        slot: list = []  # etcd's answer, appended by the connection's reader
         waiter = (done, slot)
         message = etcdrpc.LeaseKeepAliveRequest(ID=lease.id).SerializeToString()
         with self._lock:
             self._pending[lease.id].append(waiter)
             self.carried += 1
-            if self._stream is not None:
-                sock, conn, stream_id = self._stream
+            if self._connection is not None:
+                sock, conn = self._connection
+                stream_id = self._streams.get(lease.id)
+                if stream_id is None:
+                    stream_id = self._streams[lease.id] = self._open_stream(conn)
                 conn.send_data(stream_id, grpc_frame(message))
                 try:
                     sock.sendall(conn.data_to_send())
@@ -122,12 +133,7 @@ class SharedKeepAlive:
             raise EtcdUnavailable(f"keep-alive not answered within {deadline:g} s")
         return slot
 
-    def _open(self) -> tuple[socket.socket, h2.connection.H2Connection, int]:
-        host, port = self._endpoint.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=self._silence_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
-        conn.initiate_connection()
+    def _open_stream(self, conn: h2.connection.H2Connection) -> int:
         stream_id = conn.get_next_available_stream_id()
         conn.send_headers(
             stream_id,
@@ -140,28 +146,37 @@ class SharedKeepAlive:
                 ("te", "trailers"),
             ],
         )
+        return stream_id
+
+    def _connect(self) -> tuple[socket.socket, h2.connection.H2Connection]:
+        host, port = self._endpoint.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=self._silence_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        conn.initiate_connection()
         sock.sendall(conn.data_to_send())
-        return sock, conn, stream_id
+        return sock, conn
 
     def _run(self) -> None:
         while True:
             try:
-                self._serve_stream()
+                self._serve()
             except (OSError, StreamEnded) as exc:  # waiters time out and their keepers send more
-                logging.getLogger(__name__).info("keep-alive stream on %s ended: %s", self._endpoint, exc)
+                logging.getLogger(__name__).info("keep-alive connection to %s ended: %s", self._endpoint, exc)
             with self._lock:
-                if self._stream is not None:
-                    self._stream[0].close()
-                self._stream = None
+                if self._connection is not None:
+                    self._connection[0].close()
+                self._connection = None
+                self._streams.clear()
+                self._received.clear()
                 labels = list(self._client.endpoints)
                 self._endpoint = labels[(labels.index(self._endpoint) + 1) % len(labels)]
             time.sleep(0.1)
 
-    def _serve_stream(self) -> None:
-        sock, conn, stream_id = self._open()
+    def _serve(self) -> None:
+        sock, conn = self._connect()
         with self._lock:
-            self._stream = (sock, conn, stream_id)
-        received = b""
+            self._connection = (sock, conn)
         while True:
             try:
                 data = sock.recv(1 << 16)
@@ -178,17 +193,22 @@ class SharedKeepAlive:
                 for event in conn.receive_data(data):
                     if isinstance(event, h2.events.DataReceived):
                         conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                        received += event.data
+                        messages, self._received[event.stream_id] = grpc_messages(
+                            self._received.get(event.stream_id, b"") + event.data
+                        )
+                        for message in messages:
+                            response = etcdrpc.LeaseKeepAliveResponse.FromString(message)
+                            waiters = self._pending.get(response.ID)
+                            if waiters:
+                                answered.append((waiters.pop(0), response))
                     elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
-                        raise StreamEnded(f"etcd ended the stream: {event}")
+                        # that lease's stream is over (etcd ended it): its next refresh opens another
+                        self._received.pop(event.stream_id, None)
+                        for lease_id, stream_id in list(self._streams.items()):
+                            if stream_id == event.stream_id:
+                                del self._streams[lease_id]
                     elif isinstance(event, h2.events.ConnectionTerminated):
                         raise StreamEnded(f"etcd closed the connection: {event}")
-                messages, received = grpc_messages(received)
-                for message in messages:
-                    response = etcdrpc.LeaseKeepAliveResponse.FromString(message)
-                    waiters = self._pending.get(response.ID)
-                    if waiters:
-                        answered.append((waiters.pop(0), response))
                 sock.sendall(conn.data_to_send())  # window updates, settings and ping acknowledgements
             for (done, slot), response in answered:
                 slot.append(response)
@@ -196,7 +216,7 @@ class SharedKeepAlive:
 
 
 class StreamEnded(Exception):
-    """The shared keep-alive stream ended or went silent."""
+    """The shared keep-alive connection ended or went silent."""
 
 
 def grpc_frame(message: bytes) -> bytes:
