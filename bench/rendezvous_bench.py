@@ -428,6 +428,27 @@ def summarize_profile(path: str, top: int = 12) -> dict:
     return {"samples": total, "inclusive": inclusive.most_common(top), "leaf": leaf.most_common(top)}
 
 
+# On a cluster etcd has cores of its own. Here it shares 2 cores with thousands of simulated agents' threads, and
+# the kernel shares CPU per runnable thread: with 16 host processes busy, etcd's few threads got a small part of
+# it, stopped answering (4,096 agents: leases of 15 s lapsed, new connections timed out) and every agent asked
+# again. Above the hosts' priority etcd takes what it needs, as on its own machine; its CPU is measured apart.
+ETCD_NICENESS = -10
+
+
+def raise_priority(pid: int, niceness: int) -> None:
+    """Every thread of `pid` at `niceness` (Linux keeps one per thread; threads made later inherit their maker's)."""
+    try:
+        tasks = [int(task) for task in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tasks = [pid]
+    for task in tasks:
+        try:
+            os.setpriority(os.PRIO_PROCESS, task, niceness)
+        except OSError as exc:  # not root: etcd competes with the hosts as it would without this
+            logger.warning("could not raise etcd's priority (%s); its figures may include waiting for CPU", exc)
+            return
+
+
 class BenchEtcd:
     """The etcd of one N: one EtcdServer, or an EtcdCluster with --etcd-members > 1 (its leader gets killed)."""
 
@@ -444,6 +465,8 @@ class BenchEtcd:
         else:
             self.server = EtcdServer(data_dir=data_dir).start()
             self.endpoint = self.server.endpoint
+        for pid in self.pids():
+            raise_priority(pid, ETCD_NICENESS)
 
     def pids(self) -> list[int]:
         if self.cluster is not None:
@@ -660,6 +683,10 @@ class RendezvousRun:
     def reform_after_a_death(self) -> None:
         """One agent dies without leaving; the survivors form round 1 once its lease has ended."""
         hosts, n, ttl, deadline = self.hosts, self.n, self.ttl, self.args.phase_deadline
+        current = job_state(self.client, self.keys)["round"]
+        if current != 0:  # agents lost their leases while idle: round 1 would not be the death's
+            self.phase = ("the idle window", time.time(), n)
+            raise Timeout(f"the job left round 0 before the death (now in round {current}): leases lapsed while idle")
         controller, victim = pick_victim(self.client, self.keys)
         self.result.update(controller=controller, victim=victim)
         self.watch = watch = KeyWatch(self.client, self.keys.node(victim), self.keys.round)
