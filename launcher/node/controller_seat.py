@@ -9,6 +9,7 @@ import threading
 import time
 
 from launcher.config import LaunchConfig
+from launcher.etcd.errors import EtcdUnavailable
 from launcher.node.rules import claim_spread
 from launcher.rendezvous.controller import Controller
 from launcher.rendezvous.liveness import probe
@@ -31,11 +32,17 @@ class ControllerSeat:
         self._claim_at: float | None = None
 
     def claim(self, lease_id: int) -> None:
-        """Take the controller key if it is free, and lead from a thread of our own."""
+        """Take the controller key if it is free, and lead from a thread of our own. An etcd that does not answer
+        leaves the key to a later claim (`claim_when_free`, while no controller holds it): a node registering again
+        into an overloaded etcd must not end over a seat it only might have taken."""
         if self._thread is not None and self._thread.is_alive():
             return
         holder = Holder(self.node_id, lease_id)
-        if not self.store.claim_controller(holder):
+        try:
+            if not self.store.claim_controller(holder):
+                return
+        except EtcdUnavailable as exc:
+            logger.info("could not claim the controller key (%s); claiming it later if it is still free", exc)
             return
         self._stop = threading.Event()
         controller = Controller(ControllerStore(self.store.client, self.config.rdzv_id), holder, self.config, self.log)
