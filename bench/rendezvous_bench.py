@@ -1,5 +1,7 @@
 """Rendezvous scaling benchmark: N simulated agents running the real Agent and Controller against one local etcd.
 
+Needs `h2` for the simulated hosts' lease refreshes (`pip install -e '.[bench]'`; the test extra has it too).
+
 For each N in --agents (one fresh etcd and one fresh set of processes per N):
 
   1. start P host processes (multiprocessing, spawn; bench/rendezvous_host.py), each running up to
