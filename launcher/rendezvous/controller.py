@@ -116,7 +116,7 @@ class Controller:
             now = time.monotonic()
             clock = track(view, clock, now, self.settings)
             decision = decide(view, clock, now, self.settings)
-            read_cost = time.monotonic() - started
+            work_cost = time.monotonic() - started
             self._sync_log(version)
             if isinstance(decision, Wait):
                 if view.status is not None:
@@ -124,7 +124,7 @@ class Controller:
                     return
                 timeout = _IDLE_WAKE_S if decision.until is None else min(_IDLE_WAKE_S, decision.until - now)
                 mirror.wait(version, max(timeout, 0.0))
-                stop.wait(min(_MAX_PAUSE_S, _PAUSE_PER_READ * read_cost))
+                stop.wait(min(_MAX_PAUSE_S, _PAUSE_PER_READ * work_cost))
                 continue
             clock = track(view, clock, now, self.settings, applied=decision)  # remembers the probes it makes
             try:
