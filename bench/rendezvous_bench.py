@@ -1,7 +1,5 @@
 """Rendezvous scaling benchmark: N simulated agents running the real Agent and Controller against one local etcd.
 
-Needs `h2` for the simulated hosts' lease refreshes (`pip install -e '.[bench]'`; the test extra has it too).
-
 For each N in --agents (one fresh etcd and one fresh set of processes per N):
 
   1. start P host processes (multiprocessing, spawn; bench/rendezvous_host.py), each running up to
@@ -936,7 +934,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--keepalive",
         choices=("shared", "real"),
         default="shared",
-        help="shared: the agents of a host refresh their leases on one stream (default); real: "
+        help="shared: the agents of a host refresh their leases on one connection, a stream per lease (default); real: "
         "a stream + thread per refresh, as one elastic-run agent does (see SharedKeepAlive)",
     )
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="idle measurement window (default 10)")

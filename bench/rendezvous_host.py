@@ -12,8 +12,6 @@ import functools
 import logging
 import os
 import signal
-import socket
-import struct
 import sys
 import threading
 import time
@@ -24,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import etcd_metrics
-import h2.config
-import h2.connection
-import h2.events
+from grpc_wire import ConnectionEnded, GrpcConnection
 from pyetcd import etcdrpc
 
 from launcher.config import LaunchConfig, RendezvousSettings
@@ -65,20 +61,19 @@ class HostState:
 
 class SharedKeepAlive:
     """Every lease refresh of a host's agents sent on ONE connection, a LeaseKeepAlive stream per lease, framed by
-    `h2` on a plain socket.
+    hand (`grpc_wire`) on a plain socket.
 
     The agent's LeaseKeeper refreshes through `launcher.etcd.client.LeaseRoutes.refresh`, which opens a new
     LeaseKeepAlive stream per refresh, and gRPC starts a Python thread to feed each stream: ~1.3 ms of host CPU per
     refresh, which is nothing for one agent per machine but 1.3 cores for 1024 agents packed on this 2-core machine,
     enough to starve the keepers and let leases expire. Even on long-lived gRPC streams a message costs 0.37 ms of
-    host CPU (a consumer thread, the channel's spin thread and a response iterator wake for each); the same
-    messages written as HTTP/2 DATA frames by the keeper's own thread and read by one reader cost 0.20 ms (measured
-    with 256 and 1,024 leases in one process). With --keepalive shared this object stands in for the routes
-    process-wide (as the no-op WorkerGroup stands in for the real one): the LeaseKeepers still refresh every
-    keep_alive_interval under the same deadline, and etcd receives exactly what gRPC clients send, one
-    LeaseKeepAliveRequest message per refresh on a LeaseKeepAlive stream of that agent's own; only the client-side
-    transport is cheaper. `carried` counts the refreshes it sent, so the coordinator can tell when the agents'
-    refreshes no longer come this way.
+    host CPU (a consumer thread, the channel's spin thread and a response iterator wake for each); the `h2`
+    package's frames cost 0.18 ms, and frames written by hand cost less again (see grpc_wire). With --keepalive
+    shared this object stands in for the routes process-wide (as the no-op WorkerGroup stands in for the real
+    one): the LeaseKeepers still refresh every keep_alive_interval under the same deadline, and etcd receives
+    exactly what gRPC clients send, one LeaseKeepAliveRequest message per refresh on a LeaseKeepAlive stream of
+    that agent's own; only the client-side transport is cheaper. `carried` counts the refreshes it sent, so the
+    coordinator can tell when the agents' refreshes no longer come this way.
 
     A stream per lease, not one for the host: etcd answers a stream's refreshes one after another, and as leader
     holds each until its apply loop has caught up with what raft committed (etcd 3.5's LeaseRenew). While a round's
@@ -94,9 +89,9 @@ class SharedKeepAlive:
         self._silence_s = silence_s
         self._lock = threading.Lock()
         self._pending: dict[int, list[tuple[threading.Event, list]]] = collections.defaultdict(list)
-        self._connection: tuple[socket.socket, h2.connection.H2Connection] | None = None
+        self._connection: GrpcConnection | None = None
         self._streams: dict[int, int] = {}  # lease -> its stream on the connection
-        self._received: dict[int, bytes] = {}  # stream -> bytes of a message still arriving
+        self._leases: dict[int, int] = {}  # stream -> its lease
         self._endpoint = client.endpoint_label
         self.carried = 0
         threading.Thread(target=self._run, name="shared-keepalive", daemon=True).start()
@@ -116,14 +111,15 @@ class SharedKeepAlive:
         with self._lock:
             self._pending[lease.id].append(waiter)
             self.carried += 1
-            if self._connection is not None:
-                sock, conn = self._connection
-                stream_id = self._streams.get(lease.id)
-                if stream_id is None:
-                    stream_id = self._streams[lease.id] = self._open_stream(conn)
-                conn.send_data(stream_id, grpc_frame(message))
+            connection = self._connection
+            if connection is not None:
+                stream = self._streams.get(lease.id)
+                out = b""
+                if stream is None:
+                    stream, out = connection.open_stream("/etcdserverpb.Lease/LeaseKeepAlive")
+                    self._streams[lease.id], self._leases[stream] = stream, lease.id
                 try:
-                    sock.sendall(conn.data_to_send())
+                    connection.sock.sendall(out + connection.message(stream, message))
                 except OSError:
                     pass  # the reader sees the socket fail and opens another; this waiter times out and retries
         if not done.wait(deadline):
@@ -133,107 +129,55 @@ class SharedKeepAlive:
             raise EtcdUnavailable(f"keep-alive not answered within {deadline:g} s")
         return slot
 
-    def _open_stream(self, conn: h2.connection.H2Connection) -> int:
-        stream_id = conn.get_next_available_stream_id()
-        conn.send_headers(
-            stream_id,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", "/etcdserverpb.Lease/LeaseKeepAlive"),
-                (":authority", self._endpoint),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ],
-        )
-        return stream_id
-
-    def _connect(self) -> tuple[socket.socket, h2.connection.H2Connection]:
-        host, port = self._endpoint.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=self._silence_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
-        conn.initiate_connection()
-        sock.sendall(conn.data_to_send())
-        return sock, conn
-
     def _run(self) -> None:
         while True:
             try:
                 self._serve()
-            except (OSError, StreamEnded) as exc:  # waiters time out and their keepers send more
+            except (OSError, ConnectionEnded) as exc:  # waiters time out and their keepers send more
                 logging.getLogger(__name__).info("keep-alive connection to %s ended: %s", self._endpoint, exc)
             with self._lock:
                 if self._connection is not None:
-                    self._connection[0].close()
+                    self._connection.sock.close()
                 self._connection = None
                 self._streams.clear()
-                self._received.clear()
+                self._leases.clear()
                 labels = list(self._client.endpoints)
                 self._endpoint = labels[(labels.index(self._endpoint) + 1) % len(labels)]
             time.sleep(0.1)
 
     def _serve(self) -> None:
-        sock, conn = self._connect()
+        connection = GrpcConnection.connect(self._endpoint, self._silence_s)
         with self._lock:
-            self._connection = (sock, conn)
+            self._connection = connection
         while True:
             try:
-                data = sock.recv(1 << 16)
+                data = connection.sock.recv(1 << 16)
             except TimeoutError:
                 with self._lock:
                     waiting = any(self._pending.values())
                 if waiting:
-                    raise StreamEnded(f"no answer for {self._silence_s:g} s while refreshes waited") from None
+                    raise ConnectionEnded(f"no answer for {self._silence_s:g} s while refreshes waited") from None
                 continue
             if not data:
-                raise StreamEnded("etcd closed the connection")
+                raise ConnectionEnded("etcd closed the connection")
             answered = []
             with self._lock:
-                for event in conn.receive_data(data):
-                    if isinstance(event, h2.events.DataReceived):
-                        conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                        messages, self._received[event.stream_id] = grpc_messages(
-                            self._received.get(event.stream_id, b"") + event.data
-                        )
-                        for message in messages:
-                            response = etcdrpc.LeaseKeepAliveResponse.FromString(message)
-                            waiters = self._pending.get(response.ID)
-                            if waiters:
-                                answered.append((waiters.pop(0), response))
-                    elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
-                        # that lease's stream is over (etcd ended it): its next refresh opens another
-                        self._received.pop(event.stream_id, None)
-                        for lease_id, stream_id in list(self._streams.items()):
-                            if stream_id == event.stream_id:
-                                del self._streams[lease_id]
-                    elif isinstance(event, h2.events.ConnectionTerminated):
-                        raise StreamEnded(f"etcd closed the connection: {event}")
-                sock.sendall(conn.data_to_send())  # window updates, settings and ping acknowledgements
+                received, reply = connection.receive(data)
+                for _, message in received.messages:
+                    response = etcdrpc.LeaseKeepAliveResponse.FromString(message)
+                    waiters = self._pending.get(response.ID)
+                    if waiters:
+                        answered.append((waiters.pop(0), response))
+                # a stream etcd ended: that lease's next refresh opens another
+                for stream in received.ended:
+                    lease_id = self._leases.pop(stream, None)
+                    if lease_id is not None:
+                        del self._streams[lease_id]
+                if reply:
+                    connection.sock.sendall(reply)  # settings and ping acknowledgements, the connection's window
             for (done, slot), response in answered:
                 slot.append(response)
                 done.set()
-
-
-class StreamEnded(Exception):
-    """The shared keep-alive connection ended or went silent."""
-
-
-def grpc_frame(message: bytes) -> bytes:
-    """One gRPC message on the wire: not compressed, its length, its bytes."""
-    return b"\0" + struct.pack(">I", len(message)) + message
-
-
-def grpc_messages(received: bytes) -> tuple[list[bytes], bytes]:
-    """The whole gRPC messages at the start of `received`, and the rest (a message still arriving)."""
-    messages = []
-    while len(received) >= 5:
-        size = struct.unpack(">I", received[1:5])[0]
-        if len(received) < 5 + size:
-            break
-        messages.append(received[5 : 5 + size])
-        received = received[5 + size :]
-    return messages, received
 
 
 class NoopWorkerGroup:
