@@ -39,11 +39,14 @@ the lease refreshes in that window (which go on regardless of rounds; reported a
 included, ~20 bytes each). `form_requests`/`form_bytes`: the same over round 0's window (from the held-back
 agent's start, so its own join requests are in it, to every agent's acknowledgement).
 
-Rendezvous settings (every agent): --nnodes 1:N, keep_alive_interval=--keep-alive-interval (1 s),
+Rendezvous settings (every agent): --nnodes N-1:N, keep_alive_interval=--keep-alive-interval (1 s),
 keep_alive_max_attempt=3 (lease TTL 3 s), last_call_timeout=3600 (so round 0 forms exactly when the N-th agent
-registers: MAX reached; --nnodes N:N would form it as fast but could never re-form after the loss, and MIN < N with
-last_call_timeout=0 would form round 0 without the held-back agent), join_timeout=3600, close_timeout=3600 (no
-eviction during the bench), monitor_interval=5 s (no-op workers need no polling), nproc_per_node=1.
+registers: MAX reached; --nnodes N:N would form it as fast but could never re-form after the loss, and a short
+last call would form round 0 without the held-back agent), join_timeout=3600, close_timeout=3600 (no eviction
+during the bench), monitor_interval=5 s (no-op workers need no polling), nproc_per_node=1. MIN is N-1, not 1:
+the death leaves exactly MIN, so the re-form starts at once, and every round holds every live agent. An agent
+whose lease lapsed registers again as a newcomer; with MIN 1 a round could form without it, and the newcomer
+would then wait out the hour's last call to be let in (below MAX), so the job could never converge.
 
     python bench/rendezvous_bench.py --agents 16,64,256,1024,4096
     python bench/rendezvous_bench.py --agents 1024 --sample      # + py-spy profiles of two hosts per window
@@ -64,6 +67,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,10 +152,24 @@ class Hosts:
         reports = self.reports.get((kind, round_), {})
         return sum(c for c, _ in reports.values()), max((t for _, t in reports.values()), default=0.0)
 
-    def wait_for(self, kind: str, round_: int | None, expected: int, deadline_s: float, what: str) -> float:
-        """Wait until `expected` agents reported (kind, round); returns the latest of their times."""
+    def wait_for(
+        self,
+        kind: str,
+        round_: int | None,
+        expected: int,
+        deadline_s: float,
+        what: str,
+        newest_round: Callable[[], int | None] | None = None,
+    ) -> float:
+        """Wait until `expected` agents reported (kind, round); returns the latest of their times.
+
+        Once an agent registered again (its lease lapsed), the job may leave `round_` behind for a newer round
+        that holds the agent's new incarnation, and `round_` then never completes: with `newest_round` (etcd's
+        current round), the wait ends as soon as the job is past `round_`, so that `settle` times the
+        convergence from there, not from the phase's deadline."""
         deadline = time.monotonic() + deadline_s
         next_progress = time.monotonic() + 5
+        next_look = time.monotonic() + 1
         while True:
             self.drain(timeout=0.05)
             count, latest = self.total(kind, round_)
@@ -163,6 +181,11 @@ class Hosts:
                 raise Timeout(f"{what}: host process(es) {dead} exited")
             if now > deadline:
                 raise Timeout(f"{what}: {count} of {expected} after {deadline_s:.0f} s")
+            if self.anomalies and newest_round is not None and round_ is not None and now >= next_look:
+                next_look = now + 1
+                newest = newest_round()
+                if newest is not None and newest > round_:
+                    raise Timeout(f"{what}: {count} of {expected}; the job moved on to round {newest}")
             if now >= next_progress:
                 logger.info("  ... %s: %d of %d", what, count, expected)
                 next_progress = now + 5
@@ -607,7 +630,7 @@ class RendezvousRun:
         self.phase = ("round 0", time.time(), n)
         hosts.ask(hosts.host_of[self.holdback], "start", self.holdback)
         last_registration = hosts.wait_for("registered", None, n, 60, "last agent registered")
-        known = hosts.wait_for("entered", 0, n, deadline, "agents know their rank in round 0")
+        known = hosts.wait_for("entered", 0, n, deadline, "agents know their rank in round 0", self.newest_round)
         m1, c1 = self.sample()
         to_known = etcd_metrics.delta_members(m0, m1)
         self.result.update(
@@ -621,8 +644,8 @@ class RendezvousRun:
             to_known.sent_bytes,
             self.result["form_cpu_to_known_s"],
         )
-        workers = hosts.wait_for("workers", 0, n, deadline, "agents started round 0 workers")
-        acked = hosts.wait_for("acked", 0, n, deadline, "agents acknowledged round 0")
+        workers = hosts.wait_for("workers", 0, n, deadline, "agents started round 0 workers", self.newest_round)
+        acked = hosts.wait_for("acked", 0, n, deadline, "agents acknowledged round 0", self.newest_round)
         m2, c2 = self.sample()
         form = etcd_metrics.delta_members(m0, m2)
         self.result.update(
@@ -698,9 +721,13 @@ class RendezvousRun:
         self.phase = ("the re-form", death, n - 1)
         if self.cluster is not None:
             self.result["leader_killed_in_reform"] = kill_leader_at_expiry(self.cluster, watch, death, ttl + deadline)
-        known1 = hosts.wait_for("entered", target, n - 1, ttl + deadline, f"survivors know round {target}")
+        known1 = hosts.wait_for(
+            "entered", target, n - 1, ttl + deadline, f"survivors know round {target}", self.newest_round
+        )
         m6 = self.scrape()
-        acked1 = hosts.wait_for("acked", target, n - 1, deadline, f"survivors acknowledged round {target}")
+        acked1 = hosts.wait_for(
+            "acked", target, n - 1, deadline, f"survivors acknowledged round {target}", self.newest_round
+        )
         m7, c7 = self.sample()
         reform = etcd_metrics.delta_members(m5, m7)
         expired, written = watch.deleted_at, watch.rounds.get(target)
@@ -749,6 +776,17 @@ class RendezvousRun:
         if self.client is not None and self.phase is not None:
             self.settle(*self.phase)
 
+    def newest_round(self) -> int | None:
+        """The round etcd's header names now (None: no round yet, or etcd did not answer)."""
+        from launcher.rendezvous.records import RoundHeader
+
+        try:
+            raw, _ = self.client.get(self.keys.round)
+        except Exception as exc:  # noqa: BLE001 - an overloaded etcd; the wait looks again
+            logger.debug("reading the round: %s", exc)
+            return None
+        return RoundHeader.loads(raw).round if raw else None
+
     def settle(self, phase: str, began: float, live: int) -> None:
         """After a phase missed its deadline: does the job still converge (its newest round holds every live agent,
         and every one of them acknowledged it)? `converged_s` counts from the phase's start (None: not within
@@ -758,13 +796,16 @@ class RendezvousRun:
 
         deadline = time.monotonic() + self.args.settle_deadline
         settled = None
+        last_seen = "no round"
         while time.monotonic() < deadline and settled is None:
             try:
                 raw, _ = self.client.get(self.keys.round)
                 header = RoundHeader.loads(raw) if raw else None
-                if header is not None and header.size == live:
+                if header is not None:
                     acks = f"{self.keys.round_prefix(header.round)}{ReportKind.ACK.value}/"
-                    if self.client.get_prefix_response(acks, count_only=True).count >= live:
+                    acked = self.client.get_prefix_response(acks, count_only=True).count
+                    last_seen = f"round {header.round} of {header.size} members, {acked} acknowledged"
+                    if header.size == live and acked >= live:
                         settled = header.round
             except Exception as exc:  # noqa: BLE001 - an overloaded etcd; ask again
                 logger.debug("settle: %s", exc)
@@ -773,7 +814,14 @@ class RendezvousRun:
         self.result["converged_round"] = settled
         self.result["converged_s"] = round(time.time() - began, 1) if settled is not None else None
         if settled is None:
-            logger.error("  %s: the job did not converge within %.0f s more", phase, self.args.settle_deadline)
+            self.result["settle_last_seen"] = last_seen
+            logger.error(
+                "  %s: the job did not converge within %.0f s more (%d live agents; last seen: %s)",
+                phase,
+                self.args.settle_deadline,
+                live,
+                last_seen,
+            )
         else:
             logger.error(
                 "  %s: the job converged in round %d, all %d live agents acknowledged, %.1f s after it began",
@@ -852,7 +900,7 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     ttl = max(1, math.ceil(args.keep_alive_interval * LEASE_ATTEMPTS))
     print(
         f"\nlease TTL {ttl} s (keep_alive_interval={args.keep_alive_interval:g} x {LEASE_ATTEMPTS}); "
-        f"reform_s excludes it; --nnodes 1:N, last_call/join/close_timeout=3600, monitor_interval=5"
+        f"reform_s excludes it; --nnodes N-1:N, last_call/join/close_timeout=3600, monitor_interval=5"
     )
     for r in results:
         if r.get("reform_split_s"):

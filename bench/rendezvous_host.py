@@ -325,8 +325,10 @@ def dump_stacks(log_dir: str, signum: int | None = None, frame: Any = None) -> N
 
 def build_agents(spec: dict, host: HostState, client, lease_routes: LeaseRoutes) -> dict[str, BenchAgent]:
     """One BenchAgent per node of this host, in the spec's order (the order they start in)."""
-    # --nnodes 1:N with a last call of an hour: round 0 forms the moment the N-th agent registers (MAX reached),
-    # and a loss re-forms at once with N-1 (MIN is met); --nnodes N:N could never re-form after a loss.
+    # --nnodes N-1:N with a last call of an hour: round 0 forms the moment the N-th agent registers (MAX reached),
+    # and a loss re-forms at once with N-1 (MIN is met); --nnodes N:N could never re-form after a loss. A lower
+    # MIN would let a round form without an agent whose lease lapsed, and its new incarnation would then wait
+    # out the hour's last call (see rendezvous_bench's docstring).
     rdzv = RendezvousSettings(
         keep_alive_interval=spec["keep_alive_interval"],
         keep_alive_max_attempt=spec["lease_attempts"],
@@ -337,7 +339,7 @@ def build_agents(spec: dict, host: HostState, client, lease_routes: LeaseRoutes)
     agents: dict[str, BenchAgent] = {}
     for node in spec["nodes"]:
         config = LaunchConfig(
-            min_nodes=1,
+            min_nodes=max(1, spec["n"] - 1),
             max_nodes=spec["n"],
             nproc_per_node=1,
             rdzv_endpoint=spec["endpoint"],
