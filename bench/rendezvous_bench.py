@@ -371,8 +371,9 @@ def cpu_delta(before: dict, after: dict) -> dict[str, float]:
 class Profiler:
     """py-spy (if installed) sampling the given host processes, without pausing them, for one window.
 
-    An in-process sampler (sys._current_frames from a thread) deadlocked the hosts against gRPC's own threads,
-    so the profile is taken from outside. Idle threads are left out by py-spy; a sample counts once for every
+    An in-process sampler (sys._current_frames from a thread) deadlocked the hosts: CPython 3.11's gh-106883,
+    which elastic.thread_frames avoids for one look but a sampler would pay for at every sample (the collector
+    off); so the profile is taken from outside. Idle threads are left out by py-spy; a sample counts once for every
     function on its stack (inclusive) and once for its innermost frame (leaf).
     """
 

@@ -12,7 +12,6 @@ import functools
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -25,6 +24,7 @@ import etcd_metrics
 from grpc_wire import ConnectionEnded, GrpcConnection
 from pyetcd import etcdrpc
 
+from elastic.thread_frames import current_frames
 from launcher.config import LaunchConfig, RendezvousSettings
 from launcher.etcd import client as etcd_client
 from launcher.etcd.errors import EtcdUnavailable
@@ -319,7 +319,7 @@ def dump_stacks(log_dir: str, signum: int | None = None, frame: Any = None) -> N
     # the coordinator sends SIGUSR1 when a phase times out: every thread's stack lands in host<i>/stacks.txt
     names = {t.ident: t.name for t in threading.enumerate()}
     with open(os.path.join(log_dir, "stacks.txt"), "w") as out:
-        for ident, frame_ in sys._current_frames().items():
+        for ident, frame_ in current_frames().items():
             out.write(f"\n--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame_))}")
 
 

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from elastic import channel
+from elastic.thread_frames import current_frames
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ def _blocked_in_torch_distributed(looks: int = STUCK_LOOKS, interval_s: float = 
     for look in range(looks):
         if look:
             time.sleep(interval_s)
-        frame = sys._current_frames().get(main.ident or 0)
+        frame = current_frames().get(main.ident or 0)
         # the main thread leads its process's threads: its id is the pid (threading's native_id can be the
         # zygote's, in a warm worker forked from it)
         if frame is None or package not in frame.f_code.co_filename or not _in_futex_wait(os.getpid()):
