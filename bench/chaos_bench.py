@@ -48,6 +48,7 @@ It prints one JSON line per system, a table of the systems, then each system's p
 
     python bench/chaos_bench.py                                   # elastic-run: 400 steps, a fault every 15 s
     python bench/chaos_bench.py --kinds kill,crash --fault-every 10 --watchdog-min 10
+    python bench/chaos_bench.py --device cuda --nproc 1             # NCCL; each node its own host to NCCL
     python bench/chaos_bench.py --systems elastic-run,torchft,nvrx --kinds kill,stop,crash,hang,term   # [peers]
 """
 
@@ -177,6 +178,7 @@ class ElasticRun:
             f"node{node}",
             "--log-dir",
             str(job.log_dir(node)),
+            *(["--no-inprocess"] if self.args.no_inprocess else []),
             str(TRAIN),
             "--steps",
             str(self.args.steps),
@@ -189,8 +191,12 @@ class ElasticRun:
             "--sample-log",
             str(job.workdir / "samples.jsonl"),
             *TINY_MODEL,
+            *(["--device", "cuda", "--backend", "nccl"] if self.args.device == "cuda" else []),
         ]
-        job.start_agent(node, command)
+        # NCCL refuses two ranks of one communicator on one GPU of one host ("Duplicate GPU detected"): each
+        # simulated node is a host of its own to it, so that the nodes of one machine can share its GPUs
+        nccl_host = {"NCCL_HOSTID": f"{job.rdzv_id}-node{node}"} if self.args.device == "cuda" else {}
+        job.start_agent(node, command, env=nccl_host)
 
     def workers(self, job: Job, agent_pid: int) -> list[int]:
         # seen through their supervisor; a spare's workers wait in standby, and only those in the newest round train
@@ -529,6 +535,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--spares", type=int, default=0, help="elastic-run: agents beyond --nodes, waiting as spares (default 0)"
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="elastic-run: cpu (gloo) or cuda (NCCL; the nodes share this machine's GPUs, at most --nproc each)",
+    )
+    parser.add_argument(
+        "--no-inprocess", action="store_true", help="elastic-run: restart survivors as new processes (its flag)"
+    )
     parser.add_argument("--watchdog-min", type=float, default=3.0, help="elastic-run's --watchdog-min (default 3)")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds allowed per run (default 900)")
     parser.add_argument("--keep-logs", action="store_true", help="keep every run's directory")
@@ -543,6 +558,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}")
     if args.nodes < 2:
         parser.error("--nodes: at least 2 (the job goes on with N-1)")
+    if args.device == "cuda":
+        import torch
+
+        if args.nproc > torch.cuda.device_count():
+            parser.error(f"--device cuda: --nproc {args.nproc} but {torch.cuda.device_count()} GPU(s) visible here")
     return args
 
 

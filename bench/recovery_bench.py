@@ -247,15 +247,15 @@ class Job:
             self.workdir,
         )
 
-    def start_agent(self, node: int, command: list[str]) -> None:
-        """Start agent `node` with `command`, its output appended to agent_output(node)."""
+    def start_agent(self, node: int, command: list[str], env: dict[str, str] | None = None) -> None:
+        """Start agent `node` with `command` (and `env` added to ours), its output appended to agent_output(node)."""
         with open(self.agent_output(node), "ab") as output:
             # a session of its own: Ctrl-C in our terminal must not reach the agents before we clean up
             self.agents.append(
                 subprocess.Popen(
                     command,
                     cwd=REPO,
-                    env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                    env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})),
                     stdout=output,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
