@@ -31,6 +31,28 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _group_sockets: set[tuple[int, int]] = set()  # (descriptor, inode) of sockets opened while a group was built
 _installed = False
+_aborts = 0  # abort_all calls so far
+
+
+class GroupsAborted(RuntimeError):
+    """What a collective gave may be garbage: this process aborted its groups while it ran (a RuntimeError, as
+    torch.distributed's errors are, so that `elastic.run` waits for the next round)."""
+
+
+def aborts() -> int:
+    """How many times this process aborted its groups. An NCCL collective that an abort ends returns without error,
+    its output holding whatever the buffer held (measured on an H100, torch 2.11, NCCL 2.28.9); the collectives
+    after it raise. A result gathered while this number changed must not be committed (`check_not_aborted`)."""
+    return _aborts
+
+
+def check_not_aborted(since: int, what: str) -> None:
+    """Raise `GroupsAborted` if the groups were aborted after `aborts()` returned `since`."""
+    if _aborts != since:
+        raise GroupsAborted(
+            f"{what}: not committed, since this process's groups were aborted for a new round meanwhile (a "
+            "collective the abort ended may have returned without error)"
+        )
 
 
 def _socket_inodes() -> dict[int, int]:
@@ -69,8 +91,11 @@ def track_group_sockets() -> None:
 
 
 def abort_all() -> int:
-    """Make every collective of this process's groups return with an error; the connections shut down."""
+    """End every collective of this process's groups: gloo's raise (their connections shut down), NCCL's return,
+    possibly without error (`aborts`), and every later one raises."""
+    global _aborts
     with _lock:
+        _aborts += 1
         sockets = list(_group_sockets)
     shut = 0
     for fd, inode in sockets:

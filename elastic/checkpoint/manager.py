@@ -13,6 +13,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic import process_groups
 from elastic.channel import long_operation
 from elastic.checkpoint.adopt import adopt_all
 from elastic.checkpoint.attempt import (
@@ -241,14 +242,20 @@ class CheckpointManager:
             elapsed = time.monotonic() - started
             logger.info("staged step %d in %.2fs; writing %s in the background", step, elapsed, attempt.folder)
             return
+        aborts = process_groups.aborts()
         try:
             metadata_sha256 = self._saver.write(attempt, state_dict)
         except (Exception, CheckpointException):  # raised on every rank
             self._discard(attempt)
             raise
+
+        def commit() -> None:
+            process_groups.check_not_aborted(aborts, f"the save of step {step}")
+            commit_attempt(attempt, self._ranks.world_size, metadata_sha256)
+
         self._agree_or_discard(
             attempt,
-            lambda: commit_attempt(attempt, self._ranks.world_size, metadata_sha256),
+            commit,
             f"committing {attempt.target}",
             only_rank0=True,
         )

@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
 from torch.distributed.checkpoint import FileSystemReader
 
+from elastic import process_groups
 from elastic.checkpoint.loading import load_folder, state_dicts
 from elastic.checkpoint.ranks import Ranks
 from elastic.checkpoint.snapshot_format import MappedFiles, SnapshotReader, SnapshotWriter, data_file, mapped_file
@@ -141,6 +142,7 @@ class MemorySnapshots:
         """Snapshot ``state`` as ``step`` into this node's memory; returns once every rank wrote it, and starts
         the copy of this node's part to the next node."""
         started = time.monotonic()
+        aborts = process_groups.aborts()
         self.wait_for_copy()
         folder = self._own(step)
         self._ranks.agree(lambda: self._prepare(folder), f"preparing the memory snapshot of step {step}")
@@ -156,6 +158,7 @@ class MemorySnapshots:
             only_rank0=True,
         )
         if self.is_leader:
+            process_groups.check_not_aborted(aborts, f"the memory snapshot of step {step}")
             self._publish(folder, metadata, record)
             self._prune_own(step)
             if self.nodes > 1:

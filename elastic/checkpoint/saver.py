@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from elastic import process_groups
 from elastic.checkpoint.attempt import Attempt, commit_attempt
 from elastic.checkpoint.ranks import Ranks
 from elastic.checkpoint.writer import CheckpointWriter
@@ -65,6 +66,7 @@ class AttemptSaver:
         DCP's metadata are on disk, so the checkpoint is committed even if training never waits for it. ``started``:
         when the save began (time.monotonic()), for the log of its commit."""
         assert self._stager is not None, "background saves need the stager of an in_background saver"
+        aborts = process_groups.aborts()
         writer = CheckpointWriter(attempt.folder)
         upload = dcp.async_save(
             state_dict,
@@ -79,7 +81,7 @@ class AttemptSaver:
         assert isinstance(upload, Future)
         committed: Future = Future()
         if self.ranks.rank == 0:
-            upload.add_done_callback(lambda done: self._commit_after_upload(done, attempt, writer, committed))
+            upload.add_done_callback(lambda done: self._commit_after_upload(done, attempt, writer, committed, aborts))
         else:
             committed.set_result(None)
         return SaveInFlight(attempt, upload, committed, started)
@@ -89,11 +91,12 @@ class AttemptSaver:
             self._stager.close()
 
     def _commit_after_upload(
-        self, upload: Future, attempt: Attempt, writer: CheckpointWriter, committed: Future
+        self, upload: Future, attempt: Attempt, writer: CheckpointWriter, committed: Future, aborts: int
     ) -> None:
         # runs on rank 0's writer thread
         try:
             upload.result()
+            process_groups.check_not_aborted(aborts, f"the background save of step {attempt.step}")
             commit_attempt(attempt, self.ranks.world_size, writer.metadata_sha256)
         except BaseException as error:  # handed to the manager's wait(), which raises it on every rank
             committed.set_exception(error)

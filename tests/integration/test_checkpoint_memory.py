@@ -14,6 +14,7 @@ import torch
 from multiproc import run_ranks
 from test_checkpoint_reshard import assert_identical, full_state, sharded
 
+from elastic import process_groups
 from elastic.checkpoint import CheckpointManager, ModelState
 from elastic.checkpoint.memory import (
     METADATA,
@@ -26,7 +27,7 @@ from elastic.checkpoint.memory import (
     plan_transfers,
 )
 from elastic.checkpoint.ranks import Ranks
-from elastic.checkpoint.snapshot_format import data_file
+from elastic.checkpoint.snapshot_format import SnapshotWriter, data_file
 from elastic.node_memory import MEMORY_DIR_ENV
 
 
@@ -255,3 +256,23 @@ def test_a_snapshot_after_a_failed_copy_keeps_the_last_one_the_next_node_holds(t
     snapshots._copied = 3
     snapshots._prepare(snapshots._own(4))
     assert not (own / "step-1").exists() and (own / "step-4").is_dir()
+
+
+def test_a_snapshot_the_groups_were_aborted_during_does_not_count(tmp_path: Path, monkeypatch) -> None:
+    """elastic.run aborts the groups when a new round is offered, and an NCCL collective the abort ended returns
+    without error: a snapshot written meanwhile is not published, and the last one stays the newest."""
+    snapshots = MemorySnapshots(tmp_path, Ranks(None), None)
+    state = {"model": ModelState(torch.nn.Linear(4, 4))}
+    snapshots.save(1, state)
+    write = SnapshotWriter.write_data
+
+    def abort_then_write(self, *args, **kwargs):
+        process_groups.abort_all()
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(SnapshotWriter, "write_data", abort_then_write)
+    with pytest.raises(process_groups.GroupsAborted, match="memory snapshot of step 2"):
+        snapshots.save(2, state)
+    monkeypatch.undo()
+    newest = snapshots.newest()
+    assert newest is not None and newest.step == 1

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
+from elastic import process_groups
 from elastic.checkpoint import CheckpointError, CheckpointManager, ModelState
 from elastic.checkpoint.layout import COMMIT_FILE, scan
 from elastic.checkpoint.ranks import RankFailure
@@ -229,6 +230,38 @@ def test_background_failure_is_raised_at_the_next_save(tmp_path: Path, monkeypat
     manager.save(2, state)  # the failure was reported once; the manager keeps working
     manager.close()
     assert committed_steps(tmp_path) == [2]
+
+
+def aborting_write(write):
+    """FileSystemWriter.write_data that aborts the process groups first, as elastic.run does when a new round is
+    offered: an NCCL collective the abort ended returns without error, so what follows looks fine."""
+
+    def write_data(self, *args, **kwargs):
+        process_groups.abort_all()
+        return write(self, *args, **kwargs)
+
+    return write_data
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_save_the_groups_were_aborted_during_is_never_committed(
+    tmp_path: Path, monkeypatch, async_save: bool
+) -> None:
+    state = make_state(seed=0)
+    manager = CheckpointManager(tmp_path, async_save=async_save)
+    manager.load_latest(state)
+    train(state, 1)
+    manager.save(1, state)
+    manager.wait()
+    monkeypatch.setattr(FileSystemWriter, "write_data", aborting_write(FileSystemWriter.write_data))
+    train(state, 2)
+    with pytest.raises(RankFailure, match="aborted for a new round"):
+        manager.save(2, state)
+        manager.wait()
+    monkeypatch.undo()
+    manager.save(3, state)  # groups aborted before a save began do not stop it
+    manager.close()
+    assert committed_steps(tmp_path) == [0, 1, 3]
 
 
 def test_keep_must_be_positive(tmp_path: Path) -> None:
