@@ -129,6 +129,10 @@ class System(Protocol):
 
     def records(self, job: Job) -> list[dict]: ...
 
+    def registered(self, job: Job) -> dict[str, float]:
+        """When each node registered with the job, where the system records it (a node's name -> unix time)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -208,6 +212,16 @@ class ElasticRun:
     def records(self, job: Job) -> list[dict]:
         return _json_lines(job.workdir / "samples.jsonl")
 
+    def registered(self, job: Job) -> dict[str, float]:
+        # every agent's membership log holds the job's events while it runs; a joiner registers once its
+        # workers are ready, seconds after its start
+        joined: dict[str, float] = {}
+        for node in range(len(job.agents)):
+            for event in _json_lines(job.log_dir(node) / "membership.jsonl"):
+                if event.get("event") == "node_joined":
+                    joined[event["node"]] = min(event["time"], joined.get(event["node"], event["time"]))
+        return joined
+
     def close(self) -> None:
         pass
 
@@ -229,6 +243,9 @@ class PeerJob:
 
     def log(self, job: Job) -> Path:
         return job.workdir / "steps.jsonl"
+
+    def registered(self, job: Job) -> dict[str, float]:
+        return {}  # not recorded: a join counts from the node's start
 
     def close(self) -> None:
         pass
@@ -465,6 +482,16 @@ def batches_per_second(run: Run, steps: list[tuple[float, int, int]], batch_foll
     return batches / ((run.cut_at or steps[-1][0]) - steps[0][0])
 
 
+def joins_when_registered(changes: list[Change], registered: dict[str, float]) -> list[Change]:
+    """`changes` with each node's join moved from its start to when it registered, where that is known: a joining
+    node's change comes then (a scale-up), not when the bench started it."""
+    moved = []
+    for change in changes:
+        node, _, what = change.what.partition(" ")
+        moved.append(Change(registered[node], change.what) if what == "joins" and node in registered else change)
+    return moved
+
+
 def compare(free: Run, chaos: Run) -> dict:
     free_records, chaos_records = free.records(), chaos.records()
     free_steps, chaos_steps = progress(free_records), progress(chaos_records)
@@ -476,9 +503,10 @@ def compare(free: Run, chaos: Run) -> dict:
     chaos_gaps = [b[0] - a[0] for a, b in zip(chaos_steps, chaos_steps[1:])]
     pauses: list[dict[str, Any]] = []
     cut = [(chaos.cut_at, 0, 0)] if chaos.cut_at else []  # the pause the deadline ended
+    changes = joins_when_registered(chaos.changes, chaos.system.registered(chaos.job))
     for (before, step, _), (after, _, _) in zip(chaos_steps, [*chaos_steps[1:], *cut]):
         if after - before > long_gap:
-            causes = [c.what for c in chaos.changes if before - 1.0 <= c.at <= after]
+            causes = [c.what for c in changes if before - 1.0 <= c.at <= after]
             pauses.append({"s": round(after - before, 2), "after_step": step, "causes": causes})
     faults = [c.what.split()[0] for c in chaos.changes if not c.what.endswith("joins")]
     result: dict[str, Any] = {

@@ -1,5 +1,6 @@
 """bench/chaos_bench.py's elastic-run nodes: on CUDA, NCCL on each node with a host id of its own (so that the
-simulated nodes of one machine can share its GPUs); --no-inprocess passed through to elastic-run."""
+simulated nodes of one machine can share its GPUs); --no-inprocess passed through to elastic-run; a join counted
+when the node registered."""
 
 from __future__ import annotations
 
@@ -57,3 +58,13 @@ def test_cuda_nodes_use_nccl_each_a_host_of_its_own(monkeypatch) -> None:
         assert script[script.index("--device") + 1] == "cuda" and script[script.index("--backend") + 1] == "nccl"
     host_ids = [env["NCCL_HOSTID"] for _, env in nodes]
     assert len(set(host_ids)) == len(nodes)
+
+
+def test_a_join_counts_when_the_node_registered_not_when_it_started() -> None:
+    changes = [
+        chaos_bench.Change(100.0, "kill node1"),
+        chaos_bench.Change(105.0, "node3 joins"),
+        chaos_bench.Change(120.0, "node4 joins"),
+    ]
+    moved = chaos_bench.joins_when_registered(changes, {"node3": 114.5, "node1": 1.0})
+    assert [(c.at, c.what) for c in moved] == [(100.0, "kill node1"), (114.5, "node3 joins"), (120.0, "node4 joins")]
