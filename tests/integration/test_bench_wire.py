@@ -98,7 +98,11 @@ def test_real_keepers_keep_leases_alive_on_one_connection(etcd):
         lost = threading.Event()
         keepers = [LeaseKeeper(lease, 0.5, lost.set, routes=shared).start() for lease in leases]
         try:
-            time.sleep(3.0)  # past the TTL: only refreshes keep the leases
+            # past the TTL (2 s): six refreshes each at 0.5 s, so only refreshes can have kept the leases
+            began = time.monotonic()
+            while shared.carried < 16 * 6 and not lost.is_set() and time.monotonic() - began < 10:
+                time.sleep(0.1)
+            assert time.monotonic() - began > 2.0
             assert not lost.is_set()
             assert all(lease.remaining_ttl > 0 for lease in leases)
             assert all(keeper.silent_for() < 1.5 for keeper in keepers)
