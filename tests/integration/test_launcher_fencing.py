@@ -25,7 +25,11 @@ def test_a_node_stopped_past_its_lease_drops_its_old_workers_at_once_and_rejoins
     os.kill(stopped.pid, signal.SIGSTOP)  # the agent only: its workers keep running in the old world
     stopped_at = time.time()
     smaller = cluster.wait_for_world(2, timeout=60, after=stopped_at)  # the others moved on without it (lease 2 s)
-    time.sleep(max(0.0, stopped_at + 2 + 3 - time.time()))
+    cluster.wait_for(
+        lambda: [e for e in cluster.events("node_lost") if e["node"] == "c" and e["reason"] == "lease expired"],
+        30,
+        "node c's lease to end",
+    )
     os.kill(stopped.pid, signal.SIGCONT)
     resumed, resumed_at = time.monotonic(), time.time()
     cluster.wait_for(lambda: not any(pid_alive(p) for p in old_workers), 5, "the stale workers to die")
