@@ -14,8 +14,9 @@ names in `ELASTIC_HEARTBEAT_FILE` (see `launcher.workers.watchdog`). Without tha
 every call here is a no-op; with `--watchdog-timeout off` the agent judges no silence. A script that never
 calls `heartbeat` is never watched; once it has, a worker that stays silent longer than its allowance is taken
 for hung: the agent sends `DUMP_SIGNAL`, on which this module has `faulthandler` write every thread's Python
-stack to the worker's stderr (fd 2: its stderr.log under --redirects/--tee), and kills the worker's process
-group a moment later.
+stack to `STACKS_FILE` beside the channel, and kills the worker's process group a moment later. The agent reads
+the dump there whatever --redirects says (where the main thread sat tells a hung worker from one that waited on
+a peer) and copies it to where the worker's stderr goes.
 
 Interpreter shutdown runs inside `long_operation("interpreter exit")` (an atexit hook), so a slow exit is not
 taken for a hang; what a script does between its last heartbeat and its end is its own to mark.
@@ -73,6 +74,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 HEARTBEAT_ENV = "ELASTIC_HEARTBEAT_FILE"
+STACKS_FILE = "stacks.log"  # beside the channel: where a hung worker's stack dump goes
 MAGIC = b"EHB1"
 VERSION = 1
 SIZE = 1024
@@ -227,6 +229,7 @@ class Channel:
 
     def __init__(self, fd: int, view: mmap.mmap, clock=time.monotonic) -> None:
         self._fd = fd  # kept open: it holds the flock that makes this process the owner
+        self._stacks_fd: int | None = None  # the dump's file, while faulthandler writes there
         self._view = view
         self._clock = clock
         self._pid = os.getpid()
@@ -247,9 +250,20 @@ class Channel:
         self._pid = -1
         self._view.close()
         os.close(self._fd)
+        if self._stacks_fd is not None:
+            faulthandler.unregister(DUMP_SIGNAL)  # before its file closes: the number may be reused
+            os.close(self._stacks_fd)
 
-    def set_dump_signal(self, signum: int) -> None:
-        _PID_SIGNAL.pack_into(self._view, OFF_PID, self._pid, signum)
+    def register_dump(self, stacks_path: str) -> None:
+        """Have `DUMP_SIGNAL` write every thread's stack to `stacks_path`, and tell the agent it does."""
+        fd = os.open(stacks_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            faulthandler.register(DUMP_SIGNAL, file=fd, all_threads=True, chain=False)
+        except (ValueError, RuntimeError):
+            os.close(fd)
+            raise
+        self._stacks_fd = fd
+        _PID_SIGNAL.pack_into(self._view, OFF_PID, self._pid, int(DUMP_SIGNAL))
 
     def _begin_write(self) -> None:
         self._seq += 1
@@ -399,9 +413,7 @@ def open_channel(path: str | None, clock=time.monotonic, install_hooks: bool = T
         # it gets a long operation's allowance, so a slow exit is not taken for a hang, and a hung one still is
         atexit.register(channel.begin, "interpreter exit", None)  # never ended: the process is going
         try:
-            # fd 2 is the worker's stderr as elastic-run set it up: its stderr.log, the tee pipe or the console
-            faulthandler.register(DUMP_SIGNAL, file=2, all_threads=True, chain=False)
-            channel.set_dump_signal(int(DUMP_SIGNAL))
+            channel.register_dump(os.path.join(os.path.dirname(path), STACKS_FILE))
         except (OSError, ValueError, RuntimeError):
             pass  # the agent then kills without a dump
     return channel

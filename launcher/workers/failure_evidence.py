@@ -9,7 +9,9 @@ the right ones:
   watchdog kills it): a connection whose peer stopped acknowledging retransmits, a connect that never completed
   sits in SYN_SENT retrying, and data the path refuses to carry (an unreachable route) waits unsent behind
   window probes that get no answer. A peer that is merely slow or stopped (SIGSTOP) leaves none of these: its
-  kernel still acknowledges what it receives, window probes included. Or from a failed worker's error: a
+  kernel still acknowledges what it receives, window probes included. A worker hung in its start-up without
+  such connections may be retrying a connect the path refuses at once (the round's store, behind a firewall
+  rule): the agent tries that connect itself (`path_refuses`). Or from a failed worker's error: a
   connect refused by the path (no route to host, network unreachable) or timed out, with the address it was
   for when the message names it.
 - **a consequence**: a worker that failed because a peer did: its error says the peer closed or reset the
@@ -18,12 +20,15 @@ the right ones:
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import re
+import socket
 from pathlib import Path
 
 _SYN_SENT = 0x02
+PATH_CHECK_TIMEOUT_S = 0.5  # a connect on a working path is answered (accepted or refused) well within this
 _STALLED_AFTER = 2  # retransmits, or window probes without an answer: one can be a lost packet
 _TABLES = ("tcp", "tcp6")
 
@@ -73,6 +78,18 @@ def stalled_peers(pid: int) -> list[str]:
             if inode in inodes and _stalled(state, unsent, retransmits, probes):
                 peers.add(_decode_address(fields[2]))
     return sorted(peers)
+
+
+def path_refuses(addr: str, port: int, timeout: float = PATH_CHECK_TIMEOUT_S) -> bool:
+    """Whether a connect to `addr`:`port` fails on the way (no route, network unreachable, or no answer within
+    `timeout`); a refused connect reached the host, whose path works."""
+    try:
+        socket.create_connection((addr, port), timeout=timeout).close()
+    except (ConnectionRefusedError, ConnectionResetError):
+        return False
+    except OSError as exc:
+        return isinstance(exc, TimeoutError) or exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH)
+    return False
 
 
 def _stalled(state: int, unsent: int, retransmits: int, unanswered_probes: int) -> bool:

@@ -90,6 +90,10 @@ class WorkerGroup:
         self.reentering: dict[int, float] = {}
         self._handed_over: set[int] = set()  # local ranks whose worker the next round took over
         self._dumps: dict[int, StackDump] = {}  # local ranks whose worker did not re-enter in time: stacks asked
+        # local ranks handed this round in process -> the directory of the round their worker left (its channel
+        # and stack dump stay there until it opens this round's)
+        self._left_dirs: dict[int, Path] = {}
+        self._dumps_shown: set[int] = set()  # local ranks whose stack dump was copied where their stderr goes
         self._exited_at: dict[int, float] = {}
         # workers that wrote their error file (torch's @record: an uncaught exception) but have not exited yet:
         # their interpreter's teardown takes 0.4-0.8 s with torch loaded, and a peer waiting on them fails only
@@ -101,6 +105,7 @@ class WorkerGroup:
             [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)],
             startups=startups,
             spare_reentrant=config.inprocess,
+            store=(master.addr, master.port),
         )
 
     def start(self, previous: WorkerGroup | None = None, standby: StandbyWorkers | None = None) -> None:
@@ -144,6 +149,8 @@ class WorkerGroup:
         if handed is not None:
             process, self.round_links[local_rank] = handed
             self.reentering[local_rank] = time.monotonic() + self.config.inprocess_timeout
+            if previous is not None:
+                self._left_dirs[local_rank] = previous.attempt_dir / str(local_rank)
         else:
             link = RoundLink.pair() if self.config.inprocess else None
             warm = self.warm.take(local_rank, self._node_env) if self.warm is not None else None
@@ -253,9 +260,10 @@ class WorkerGroup:
 
     def _follow_reentries(self) -> None:
         """A worker handed this round in process has until --inprocess-timeout to open the round's channel;
-        past it, its stacks are dumped (to the last round's stderr: it never switched), and once they are written
-        it is killed and its rank starts in a new process. One that found itself blocked where no abort reaches
-        exits with `UNWIND_STUCK_EXIT` first (elastic.rounds): its rank starts anew at once."""
+        past it, its stacks are dumped (to the last round's stacks.log: it never switched) and copied where its
+        stderr goes, and once they are written it is killed and its rank starts in a new process. One that found
+        itself blocked where no abort reaches exits with `UNWIND_STUCK_EXIT` first (elastic.rounds): its rank
+        starts anew at once."""
         now = time.monotonic()
         for local_rank, deadline in list(self.reentering.items()):
             process = self.processes[local_rank]
@@ -283,6 +291,9 @@ class WorkerGroup:
                 self._dumps[local_rank] = StackDump.ask(worker_under(process.pid), channel.DUMP_SIGNAL, now)
             elif dump is not None and dump.over(now):
                 del self.reentering[local_rank], self._dumps[local_rank]
+                stacks = read_dump(self._left_dirs[local_rank] / channel.STACKS_FILE)
+                if stacks:
+                    self.output.append_to_stderr(self.attempt_dir / str(local_rank), local_rank, stacks)
                 self._start_anew(local_rank, process)
 
     def _start_anew(self, local_rank: int, process: WorkerProcess) -> None:
@@ -393,7 +404,10 @@ class WorkerGroup:
                 traceback = stderr_log.read_text(errors="replace")[-4000:]
         hang = self.watchdog.hang(local_rank)
         if hang is not None:  # found hung and killed: it failed when it fell silent, unless it waited for a peer
-            dump = read_dump(directory / "stderr.log")  # every thread's stack: what the failure summary shows
+            dump = read_dump(directory / channel.STACKS_FILE)  # every thread's stack: what the summary shows
+            if dump and local_rank not in self._dumps_shown:
+                self._dumps_shown.add(local_rank)
+                self.output.append_to_stderr(directory, local_rank, dump)
             return WorkerFailure(
                 node=self.config.node_id,
                 round=self.round.round,

@@ -85,22 +85,44 @@ class WorkerOutput:
             if any(filters)
         }
 
-    def route(self, directory: Path, local_rank: int, name: str) -> StreamRoute:
-        """Where one stream goes under --redirects, --tee and --duplicate-std{out,err}-filters."""
+    def _tee_and_redirect(self, local_rank: int, name: str) -> tuple[bool, bool]:
         includes = Std.includes_out if name == "stdout" else Std.includes_err
         tee = includes(self.config.std_for(self.config.tee, local_rank))
-        redirect = tee or includes(self.config.std_for(self.config.redirects, local_rank))
+        return tee, tee or includes(self.config.std_for(self.config.redirects, local_rank))
+
+    def _shown(self, local_rank: int) -> bool:
+        return self.config.local_ranks_filter is None or local_rank in self.config.local_ranks_filter
+
+    def _prefix(self, local_rank: int) -> str:
+        return f"[{self.config.role}{self.first_rank + local_rank}]:"
+
+    def route(self, directory: Path, local_rank: int, name: str) -> StreamRoute:
+        """Where one stream goes under --redirects, --tee and --duplicate-std{out,err}-filters."""
+        tee, redirect = self._tee_and_redirect(local_rank, name)
         duplicator = self._duplicators.get(name)
         log_file = open(directory / f"{name}.log", "ab") if redirect else None
         if not tee and duplicator is None:
             return StreamRoute(target=log_file, log_file=log_file)
         console = sys.stdout if name == "stdout" else sys.stderr
         if tee:
-            shown = self.config.local_ranks_filter is None or local_rank in self.config.local_ranks_filter
-            prefix = f"[{self.config.role}{self.first_rank + local_rank}]:"
-            return StreamRoute(subprocess.PIPE, log_file, console if shown else None, prefix, duplicator)
+            shown = console if self._shown(local_rank) else None
+            return StreamRoute(subprocess.PIPE, log_file, shown, self._prefix(local_rank), duplicator)
         # only duplicated: the stream reaches its log file or the console as it would without the filters
         return StreamRoute(subprocess.PIPE, log_file, None if redirect else console, "", duplicator)
+
+    def append_to_stderr(self, directory: Path, local_rank: int, text: str) -> None:
+        """Write `text` where the worker's stderr goes, as if the worker wrote it: a hung worker's stack dump,
+        which it wrote to a file of its own."""
+        tee, redirect = self._tee_and_redirect(local_rank, "stderr")
+        if redirect:
+            with open(directory / "stderr.log", "a") as log_file:
+                log_file.write(text)
+        if tee and self._shown(local_rank):
+            prefix = self._prefix(local_rank)
+            sys.stderr.write("".join(prefix + line for line in text.splitlines(keepends=True)))
+        elif not redirect:
+            sys.stderr.write(text)
+        sys.stderr.flush()
 
     def pump(self, source: IO[bytes], route: StreamRoute) -> None:
         """Copy `source`, a worker's piped stream, where `route` says, from a thread of its own."""

@@ -5,8 +5,8 @@ once a worker has been silent for the least allowance there can be: no etcd, no 
 worker is hung and when a node is stalled are the rules of `launcher.workers.watchdog_rules`.
 
 A hung worker gets the signal its library registered with faulthandler (every thread's Python stack to its
-stderr), SIGCONT (a stopped process handles no signal), and once the dump is written (`StackDump`: at most
-`DUMP_GRACE_S` later) SIGKILL, then its process group
+`stacks.log`, which the group copies where its stderr goes), SIGCONT (a stopped process handles no signal), and
+once the dump is written (`StackDump`: at most `DUMP_GRACE_S` later) SIGKILL, then its process group
 SIGKILL (at once when the worker leads it; `DUMP_GRACE_S` later when a supervisor runs it and takes its tree down).
 Before the kill the agent reads which of its TCP connections stalled (`launcher.workers.failure_evidence`): evidence of
 a broken path to a peer. Its failure carries `hung`, `seconds_silent`, `last_step` and those peers
@@ -61,11 +61,14 @@ class Watchdog:
         clock: Callable[[], float] = time.monotonic,
         startups: StartupHistory | None = None,
         spare_reentrant: bool = False,
+        store: tuple[str, int] | None = None,
     ) -> None:
         # with --inprocess: a hung worker under elastic.run that is not stopped is dumped but not killed. In a
         # synchronous job most hung workers wait in a collective on the one that hangs; the next round's offer
         # aborts that collective and they re-enter (one that does not is replaced after --inprocess-timeout)
         self.spare_reentrant = spare_reentrant
+        # the round's store (address, port): the first peer a starting worker must reach
+        self.store = store
         self.startups = startups if startups is not None else StartupHistory()
         self.policy = self.startups.policy(policy)
         self.clock = clock
@@ -172,7 +175,7 @@ class Watchdog:
         return [channel.read_drain(w.view) if self._open(w) else None for w in self.workers]
 
     def _find_hang(self, policy: Policy, worker: _Worker, process: WorkerProcess, now: float) -> Hang | None:
-        """The worker's hang, with the peers its stalled connections lead to, if it is hung."""
+        """The worker's hang, with the peers its broken paths lead to, if it is hung."""
         if not self._open(worker):
             return None
         seq = channel.read_seq(worker.view)
@@ -189,6 +192,8 @@ class Watchdog:
         if hang is None:
             return None
         stalled = failure_evidence.stalled_peers(self._owner(worker, process))
+        if not stalled and hang.starting and self.store is not None and failure_evidence.path_refuses(*self.store):
+            stalled = [self.store[0]]  # its connect to the store fails at once and is retried: no socket shows it
         return dataclasses.replace(hang, stalled_peers=tuple(stalled))
 
     def _note_start(self, worker: _Worker, now: float) -> None:
@@ -282,7 +287,7 @@ class StackDump:
 
     @classmethod
     def ask(cls, worker: int, signum: int, now: float) -> StackDump:
-        """Have `worker` write every thread's stack to its stderr, through the handler `elastic.channel` registers
+        """Have `worker` write every thread's stack to its stacks.log, through the handler `elastic.channel` registers
         for `signum` (none is asked of a worker without it, never registered or gone in interpreter shutdown: the
         signal would kill it)."""
         before = _bytes_written(worker)
@@ -302,7 +307,7 @@ class StackDump:
 
 
 def dump_stacks(worker: int, signum: int = channel.DUMP_SIGNAL) -> float:
-    """Have `worker` write every thread's stack to its stderr, through the handler `elastic.channel` registers for
+    """Have `worker` write every thread's stack to its stacks.log, through the handler `elastic.channel` registers for
     `signum`; the seconds to give it at most before it is killed (0: it has no handler, never registered or gone in
     interpreter shutdown, and the signal would kill it)."""
     if not signum or not _catches(worker, signum):

@@ -166,7 +166,8 @@ class Hang:
     long_op: str | None = None
     starting: bool = False  # no heartbeat yet in this round: held to the start-up allowance
     stopped: bool = False  # starting, but its process is stopped: held to the normal allowance
-    stalled_peers: tuple[str, ...] = ()  # peers its stalled TCP connections lead to (launcher.workers.failure_evidence)
+    # peers its stalled TCP connections lead to, or the store its start-up cannot reach (failure_evidence)
+    stalled_peers: tuple[str, ...] = ()
 
     @property
     def silent_since(self) -> float:
@@ -182,12 +183,12 @@ class Hang:
             step = f"after step {self.last_step}" if self.last_step is not None else "(no step given)"
         inside = f" inside long operation {self.long_op!r}" if self.long_op else ""
         kind = "start-up allowance" if self.starting else "allowance"
-        stalled = f"; stalled connections to {', '.join(self.stalled_peers)}" if self.stalled_peers else ""
+        stalled = f"; broken paths to {', '.join(self.stalled_peers)}" if self.stalled_peers else ""
         return f"no heartbeat for {self.seconds_silent:.1f}s {step}{inside} ({kind} {self.allowance:g}s){stalled}"
 
     def describe(self, dump: str = "", spared: bool = False) -> str:
         """The failure message: what the membership log and the job's failure summary show; its stack `dump`
-        (from its stderr log, when redirected) adds where its main thread was. `spared`: left alive for the next
+        (from its stacks.log) adds where its main thread was. `spared`: left alive for the next
         round (it runs under elastic.run), not killed."""
         frame = main_thread_frame(dump)
         inside = f" in {frame.function} ({os.path.basename(frame.file)}:{frame.line})" if frame else ""

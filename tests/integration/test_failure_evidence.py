@@ -6,10 +6,18 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
-from launcher.workers.failure_evidence import says_peer_failed, says_unreachable, stalled_peers, unreachable_peers
+from launcher.workers.failure_evidence import (
+    path_refuses,
+    says_peer_failed,
+    says_unreachable,
+    stalled_peers,
+    unreachable_peers,
+)
+from tests.netns_harness import _ip, add_namespace
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -85,3 +93,35 @@ def test_a_connection_that_is_answered_is_not_stalled():
 
 def test_an_unknown_process_has_no_evidence():
     assert stalled_peers(2**22 + 12345) == []
+
+
+def test_a_connect_the_host_answers_is_no_broken_path():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert not path_refuses("127.0.0.1", port)
+    assert not path_refuses("127.0.0.1", port)  # closed now: refused, by a host that answers
+
+
+@pytest.mark.parametrize("path", ["unreachable route", "silent link"])
+def test_a_connect_the_path_refuses_or_never_answers_is_a_broken_path(path):
+    """A firewall's unreachable route fails the connect at once; a link where nothing answers (a veth pair whose
+    far end has no address: the neighbour is never found) leaves it unanswered past the check's timeout."""
+    ns = f"elpath-{uuid.uuid4().hex[:8]}"
+    add_namespace(ns)
+    try:
+        if path == "unreachable route":
+            _ip("-n", ns, "route", "add", "unreachable", "10.98.0.1/32")
+        else:
+            _ip("-n", ns, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+            _ip("-n", ns, "addr", "add", "10.98.0.2/24", "dev", "v0")
+            _ip("-n", ns, "link", "set", "v0", "up")
+            _ip("-n", ns, "link", "set", "v1", "up")
+        code = "from launcher.workers.failure_evidence import path_refuses; print(path_refuses('10.98.0.1', 29500))"
+        started = time.monotonic()
+        answer = subprocess.run(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True, timeout=20
+        )
+        assert answer.stdout.strip() == "True", answer.stderr
+        assert time.monotonic() - started < 10
+    finally:
+        _ip("netns", "del", ns, check=False)

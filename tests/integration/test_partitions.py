@@ -522,7 +522,7 @@ def test_etcd_quorum_lost_briefly_changes_nothing(make_network, tmp_path):
 @pytest.mark.parametrize("how", ["reject", "drop"])
 def test_node_cut_from_one_peer_is_quarantined(make_network, tmp_path, how):
     """Case 4: two nodes lose each other (each still reaches etcd and the third node), so every collective hangs.
-    The progress watchdog (--watchdog-timeout 3) finds the workers hung; the stalled connections of the two ends
+    The progress watchdog (--watchdog-timeout 3) finds the workers hung; the broken paths of the two ends
     (or, in the next round, a connect with no route, or a start-up hung on one) name the broken path, so both ends
     take a strike and the node that reaches both takes none; with quarantine_after=2 one end sits out, after which
     the two nodes that reach each other train on at world size 2.

@@ -488,6 +488,7 @@ def worker_group(
     script_args: list[str],
     timeout: float = 1.0,
     startups: StartupHistory | None = None,
+    redirects: Std = Std.ALL,
 ) -> WorkerGroup:
     config = LaunchConfig(
         min_nodes=1,
@@ -498,7 +499,7 @@ def worker_group(
         entrypoint=str(entrypoint),
         args=script_args,
         log_dir=tmp_path,
-        redirects=Std.ALL,
+        redirects=redirects,
         watchdog_timeout=timeout,
         worker_stop_timeout=1,
         node_id="n",
@@ -514,8 +515,9 @@ def run_group(
     timeout: float = 1.0,
     deadline_s: float = 30.0,
     startups: StartupHistory | None = None,
+    redirects: Std = Std.ALL,
 ):
-    group = worker_group(tmp_path, PATTERN, script_args, timeout, startups)
+    group = worker_group(tmp_path, PATTERN, script_args, timeout, startups, redirects)
     group.start()
     try:
         deadline = time.monotonic() + deadline_s
@@ -530,14 +532,18 @@ def run_group(
 
 
 @pytest.mark.timeout(60)
-def test_a_stopped_worker_is_found_hung_its_stacks_dumped_and_killed(tmp_path):
-    outcome, failures, logs = run_group(tmp_path, ["--beats", "5", "--then", "stop"])
+@pytest.mark.parametrize("redirects", [Std.ALL, Std.NONE])
+def test_a_stopped_worker_is_found_hung_its_stacks_dumped_and_killed(tmp_path, capfd, redirects):
+    """Its stacks reach where its stderr goes (stderr.log, or the agent's console) and, either way, the agent
+    reads where its main thread was: what tells a hung worker from one that waited on a peer."""
+    outcome, failures, logs = run_group(tmp_path, ["--beats", "5", "--then", "stop"], redirects=redirects)
     assert outcome is WorkerOutcome.FAILED
     [failure] = failures
     assert failure.hung and failure.last_step == 4 and failure.seconds_silent >= 1.0
     assert failure.message.startswith("hung in main (heartbeat_pattern.py:")  # where it stopped itself
-    stderr = (logs / "stderr.log").read_text()
-    assert "Current thread 0x" in stderr and 'heartbeat_pattern.py", line' in stderr
+    console = capfd.readouterr().err
+    stderr = (logs / "stderr.log").read_text() if redirects is Std.ALL else console
+    assert stderr.count("Current thread 0x") == 1 and 'heartbeat_pattern.py", line' in stderr
     assert failure.traceback and "Current thread" in failure.traceback  # what the job's failure summary shows
 
 
