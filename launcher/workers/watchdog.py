@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import mmap
 import os
 import signal
@@ -37,6 +38,7 @@ from launcher.workers.watchdog_rules import STALL_MIN_S, Hang, Policy, Stall, St
 logger = logging.getLogger(__name__)
 
 DUMP_GRACE_S = 1.0  # from the stack-dump signal to SIGKILL at the latest: time for faulthandler to write
+PATH_CHECK_EVERY_S = 1.0  # how often a silent starting worker's connects are looked at (/proc, a connect)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class _Worker:
     dump: StackDump | None = None  # asked of it when found hung; SIGKILL once it is over
     group_kill_at: float | None = None  # SIGKILL to its process group, if it still runs
     started: bool = False  # its first heartbeat was seen
+    paths_checked_at: float = -math.inf  # when its connects were last looked at while it starts
     spared: bool = False  # found hung, left alive: it runs under elastic.run and takes the next round in process
 
 
@@ -69,6 +72,8 @@ class Watchdog:
         self.spare_reentrant = spare_reentrant
         # the round's store (address, port): the first peer a starting worker must reach
         self.store = store
+        self._store_checked_at = -math.inf
+        self._store_refuses = False
         self.startups = startups if startups is not None else StartupHistory()
         self.policy = self.startups.policy(policy)
         self.clock = clock
@@ -188,13 +193,34 @@ class Watchdog:
         if silent <= policy.floor:
             return None
         stopped = not worker.started and self._stopped(worker, process)
-        hang = worker.watch.verdict(policy, worker.watch.current(), now, time.time(), stopped)
+        # a start-up stuck on a broken path cannot finish: looked for (once a second) past the normal allowance
+        cut_off: list[str] = []
+        if not worker.started and not stopped and now >= worker.paths_checked_at + PATH_CHECK_EVERY_S:
+            worker.paths_checked_at = now
+            cut_off = self._broken_paths(worker, process, starting=True)
+        hang = worker.watch.verdict(policy, worker.watch.current(), now, time.time(), stopped, bool(cut_off))
         if hang is None:
             return None
-        stalled = failure_evidence.stalled_peers(self._owner(worker, process))
-        if not stalled and hang.starting and self.store is not None and failure_evidence.path_refuses(*self.store):
-            stalled = [self.store[0]]  # its connect to the store fails at once and is retried: no socket shows it
+        stalled = cut_off or self._broken_paths(worker, process, hang.starting)
         return dataclasses.replace(hang, stalled_peers=tuple(stalled))
+
+    def _broken_paths(self, worker: _Worker, process: WorkerProcess, starting: bool) -> list[str]:
+        """The peers the worker's broken paths lead to (failure_evidence): its stalled connections; for a starting
+        worker with none, the round's store when the agent's own connect there fails on the way (the worker's
+        fails at once and is retried: no socket shows it)."""
+        stalled = failure_evidence.stalled_peers(self._owner(worker, process))
+        if not stalled and starting and self._store_cut_off():
+            stalled = [self.store[0]] if self.store is not None else []
+        return stalled
+
+    def _store_cut_off(self) -> bool:
+        """Whether a connect to the round's store fails on the way; asked once a second at most, for all workers
+        (a connect may wait up to failure_evidence.PATH_CHECK_TIMEOUT_S)."""
+        now = self.clock()
+        if self.store is not None and now >= self._store_checked_at + PATH_CHECK_EVERY_S:
+            self._store_checked_at = now
+            self._store_refuses = failure_evidence.path_refuses(*self.store)
+        return self._store_refuses
 
     def _note_start(self, worker: _Worker, now: float) -> None:
         """Record the worker's start-up (spawn to first heartbeat) once its channel shows a heartbeat."""

@@ -7,7 +7,8 @@ they wrote and asks these rules, passing its own clock's readings:
   allowance (`StartupHistory`): the larger of the normal allowance and `STARTUP_FACTOR` x the longest start-up
   (spawn to first heartbeat) seen on this node. A worker stuck in `init_process_group` (a peer it cannot connect
   to) is caught so; a start-up that loads a checkpoint for long belongs inside `long_operation`. A starting
-  worker whose process is stopped (SIGSTOP) is not starting: it gets the normal allowance;
+  worker whose process is stopped (SIGSTOP) is not starting, nor is one whose connects are stuck on a broken
+  path (`launcher.workers.failure_evidence`; no slow start-up retries a connect): each gets the normal allowance;
 - silence is measured from the last sign of life the agent saw: a heartbeat, or a long operation's begin or end;
 - the normal allowance is `--watchdog-timeout` seconds when it is a number; with `auto` it is the larger of
   `--watchdog-min` and `AUTO_FACTOR` x the slowest interval between heartbeats over the last `AUTO_WINDOW` steps
@@ -166,6 +167,7 @@ class Hang:
     long_op: str | None = None
     starting: bool = False  # no heartbeat yet in this round: held to the start-up allowance
     stopped: bool = False  # starting, but its process is stopped: held to the normal allowance
+    cut_off: bool = False  # starting, but its connects are stuck on a broken path: held to the normal allowance
     # peers its stalled TCP connections lead to, or the store its start-up cannot reach (failure_evidence)
     stalled_peers: tuple[str, ...] = ()
 
@@ -177,12 +179,14 @@ class Hang:
     def summary(self) -> str:
         if self.stopped:
             step = "since it started, none yet in this round, and its process is stopped"
+        elif self.cut_off:
+            step = "since it started, none yet in this round, its start-up stuck on a broken path"
         elif self.starting:
             step = "since it started, none yet in this round"
         else:
             step = f"after step {self.last_step}" if self.last_step is not None else "(no step given)"
         inside = f" inside long operation {self.long_op!r}" if self.long_op else ""
-        kind = "start-up allowance" if self.starting else "allowance"
+        kind = "start-up allowance" if self.starting and not self.cut_off else "allowance"
         stalled = f"; broken paths to {', '.join(self.stalled_peers)}" if self.stalled_peers else ""
         return f"no heartbeat for {self.seconds_silent:.1f}s {step}{inside} ({kind} {self.allowance:g}s){stalled}"
 
@@ -230,11 +234,18 @@ class WorkerWatch:
         return self.snapshot if self.snapshot is not None and self.snapshot.seq == self.seq else None
 
     def verdict(
-        self, policy: Policy, snapshot: channel.Snapshot | None, now: float, wall: float, stopped: bool = False
+        self,
+        policy: Policy,
+        snapshot: channel.Snapshot | None,
+        now: float,
+        wall: float,
+        stopped: bool = False,
+        cut_off: bool = False,
     ) -> Hang | None:
         """A Hang when the worker heartbeated before and has been silent longer than its allowance; `now` is the
         agent's monotonic clock, `wall` the unix time of the same moment, `stopped` whether its process is
-        stopped (a starting worker then gets the normal allowance: it starts nothing)."""
+        stopped, `cut_off` whether its connects are stuck on a broken path (a starting worker then gets the
+        normal allowance: it starts nothing, or cannot finish)."""
         if snapshot is None:
             return None
         self.observe(snapshot.seq, now)
@@ -242,7 +253,7 @@ class WorkerWatch:
         starting = snapshot.beats == 0
         if starting and policy.startup is None:
             return None  # a script that never calls heartbeat is never watched
-        if starting and policy.startup is not None and not stopped:
+        if starting and policy.startup is not None and not stopped and not cut_off:
             allowed = max(policy.startup, allowance(policy, (), snapshot.long_op))
         else:
             allowed = allowance(policy, snapshot.intervals, snapshot.long_op)
@@ -257,4 +268,5 @@ class WorkerWatch:
             long_op=snapshot.long_op.name if snapshot.long_op else None,
             starting=starting and not stopped,
             stopped=starting and stopped,
+            cut_off=starting and not stopped and cut_off,
         )

@@ -213,6 +213,12 @@ def test_once_a_node_saw_heartbeats_a_new_worker_gets_the_start_up_allowance():
     assert hang.stopped and not hang.starting and hang.allowance == 3.0 and "process is stopped" in hang.describe()
     watch = WorkerWatch()
     watch.observe(0, now=0.0)
+    assert watch.verdict(policy, snapshot(0, 0), now=3.0, wall=WALL, cut_off=True) is None  # the normal 3 s
+    hang = watch.verdict(policy, snapshot(0, 0), now=3.5, wall=WALL, cut_off=True)
+    assert hang.starting and hang.cut_off and hang.allowance == 3.0 and "stuck on a broken path" in hang.describe()
+    assert "(allowance 3s)" in hang.describe()
+    watch = WorkerWatch()
+    watch.observe(0, now=0.0)
     loading = channel.LongOp("checkpoint load", None)
     assert (
         watch.verdict(policy, snapshot(1, 0, long_op=loading), now=100.0, wall=WALL) is None
@@ -532,7 +538,7 @@ def run_group(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("redirects", [Std.ALL, Std.NONE])
+@pytest.mark.parametrize("redirects", [Std.ALL, Std.NONE], ids=["redirected", "console"])
 def test_a_stopped_worker_is_found_hung_its_stacks_dumped_and_killed(tmp_path, capfd, redirects):
     """Its stacks reach where its stderr goes (stderr.log, or the agent's console) and, either way, the agent
     reads where its main thread was: what tells a hung worker from one that waited on a peer."""
