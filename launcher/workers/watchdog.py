@@ -193,15 +193,17 @@ class Watchdog:
         if silent <= policy.floor:
             return None
         stopped = not worker.started and self._stopped(worker, process)
-        # a start-up stuck on a broken path cannot finish: looked for (once a second) past the normal allowance
-        cut_off: list[str] = []
-        if not worker.started and not stopped and now >= worker.paths_checked_at + PATH_CHECK_EVERY_S:
+        # a start-up stuck on a broken path cannot finish: looked for (once a second) past the normal allowance,
+        # where a start-up is watched at all (the script heartbeats)
+        cut_off: list[str] | None = None  # None: not looked for in this poll
+        watched_start = policy.startup is not None and not worker.started and not stopped
+        if watched_start and now >= worker.paths_checked_at + PATH_CHECK_EVERY_S:
             worker.paths_checked_at = now
             cut_off = self._broken_paths(worker, process, starting=True)
         hang = worker.watch.verdict(policy, worker.watch.current(), now, time.time(), stopped, bool(cut_off))
         if hang is None:
             return None
-        stalled = cut_off or self._broken_paths(worker, process, hang.starting)
+        stalled = cut_off if cut_off is not None else self._broken_paths(worker, process, hang.starting)
         return dataclasses.replace(hang, stalled_peers=tuple(stalled))
 
     def _broken_paths(self, worker: _Worker, process: WorkerProcess, starting: bool) -> list[str]:
@@ -209,17 +211,17 @@ class Watchdog:
         worker with none, the round's store when the agent's own connect there fails on the way (the worker's
         fails at once and is retried: no socket shows it)."""
         stalled = failure_evidence.stalled_peers(self._owner(worker, process))
-        if not stalled and starting and self._store_cut_off():
-            stalled = [self.store[0]] if self.store is not None else []
+        if not stalled and starting and self.store is not None and self._store_cut_off(self.store):
+            stalled = [self.store[0]]
         return stalled
 
-    def _store_cut_off(self) -> bool:
-        """Whether a connect to the round's store fails on the way; asked once a second at most, for all workers
+    def _store_cut_off(self, store: tuple[str, int]) -> bool:
+        """Whether a connect to the round's `store` fails on the way; asked once a second at most, for all workers
         (a connect may wait up to failure_evidence.PATH_CHECK_TIMEOUT_S)."""
         now = self.clock()
-        if self.store is not None and now >= self._store_checked_at + PATH_CHECK_EVERY_S:
+        if now >= self._store_checked_at + PATH_CHECK_EVERY_S:
             self._store_checked_at = now
-            self._store_refuses = failure_evidence.path_refuses(*self.store)
+            self._store_refuses = failure_evidence.path_refuses(*store)
         return self._store_refuses
 
     def _note_start(self, worker: _Worker, now: float) -> None:
