@@ -63,6 +63,9 @@ _ENDPOINT_FAILED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_
 # gRPC's keep-alive ends a silent one within 9 s: waiting this long only waits for a slow etcd (or a client
 # process starved of CPU), where the 3 s call timeout would give up on watches etcd is about to confirm.
 WATCH_CREATE_TIMEOUT_S = 20.0
+# Keys per page of a prefix read: 256 of the largest values the launcher writes (member buckets, 4-8 KB) are far
+# below the 4 MiB gRPC lets a client receive in one message, which a whole `state/` passes at about 16,000 nodes.
+PAGE_KEYS = 256
 
 T = TypeVar("T")
 
@@ -150,6 +153,23 @@ class _FailoverClient(HookedClient):
         # gRPC sends call credentials only over TLS; the token travels in each call's metadata either way
         if not any(endpoint.secure for endpoint in self.endpoints.values()):
             self.call_credentials = None
+
+    def read_prefix(self, prefix: str, page_keys: int = PAGE_KEYS, **filters) -> tuple[list, int]:
+        """Every key-value under `prefix` (that `filters` such as min_mod_revision let through), in key order, as
+        one consistent read at the etcd revision it returns, fetched `page_keys` at a time (should etcd compact
+        that revision between two pages, it refuses the next with OUT_OF_RANGE)."""
+        end = pyetcd.utils.prefix_range_end(pyetcd.utils.to_bytes(prefix))
+        start: bytes = pyetcd.utils.to_bytes(prefix)
+        kvs: list = []
+        revision = None
+        while True:
+            page = self.get_range_response(start, end, limit=page_keys, revision=revision, **filters)
+            if revision is None:
+                revision = page.header.revision
+            kvs.extend(page.kvs)
+            if not page.more or not page.kvs:
+                return kvs, revision
+            start = page.kvs[-1].key + b"\0"
 
     def get_watcher(self):
         return _CancellingWatcher(

@@ -79,10 +79,10 @@ class RangeMirror:
 
     # -- etcd side -------------------------------------------------------------------------------------------
     def _load_and_watch(self) -> None:
-        response = self.client.get_prefix_response(self.prefix)
-        entries = {kv.key.decode()[len(self.prefix) :]: Entry(kv.value, kv.mod_revision) for kv in response.kvs}
+        kvs, revision = self.client.read_prefix(self.prefix)
+        entries = {kv.key.decode()[len(self.prefix) :]: Entry(kv.value, kv.mod_revision) for kv in kvs}
         with self._changed:
-            self._entries, self.revision = entries, response.header.revision
+            self._entries, self.revision = entries, revision
             self._bump()
         self._watch()
 

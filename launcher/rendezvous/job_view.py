@@ -102,23 +102,27 @@ class ViewParser:
     def parse(self, entries: dict[str, Entry], revision: int) -> JobView:
         view = JobView(revision=revision)
         self._next_parsed = {}
-        buckets: dict[int, list[MemberBucket]] = {}
+        buckets: dict[int, dict[int, MemberBucket]] = {}  # round -> index -> bucket
         for below, entry in entries.items():
             key = self.mirror_prefix + below
             try:
                 parsed = JobKeys.parse(key)
                 if isinstance(parsed, MemberBucketKey):
-                    buckets.setdefault(parsed.round, []).append(self._load(key, entry, MemberBucket))
+                    buckets.setdefault(parsed.round, {})[parsed.bucket] = self._load(key, entry, MemberBucket)
                 else:
                     self._place(view, parsed, key, entry)
             except (ValidationError, ValueError, UnicodeDecodeError) as exc:
                 self._warn(key, entry, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         self._parsed = self._next_parsed
         header = view.round_header
-        if header is not None and len(buckets.get(header.round, ())) == header.buckets:
-            if self._assembled is None or self._assembled[0] != view.round_revision:
-                self._assembled = (view.round_revision, RoundRecord.assemble(header, buckets[header.round]))
-            view.round = self._assembled[1]
+        if header is not None:
+            # a round written in several transactions may leave buckets past the header's count (a lost race)
+            found = buckets.get(header.round, {})
+            parts = [found[i] for i in range(header.buckets) if i in found]
+            if len(parts) == header.buckets:
+                if self._assembled is None or self._assembled[0] != view.round_revision:
+                    self._assembled = (view.round_revision, RoundRecord.assemble(header, parts))
+                view.round = self._assembled[1]
         return view
 
     def _load(self, key: str, entry: Entry, model):

@@ -80,6 +80,8 @@ def _details(event: MembershipEvent) -> str:
     if event.members:
         ranks = " ".join(f"{m['node']}[{m['first_rank']}-{m['last_rank']}]" for m in event.members)
         parts.append(f"members={ranks}")
+    elif event.size is not None:
+        parts.append(f"size={event.size}")
     for name in (
         "local_rank",
         "rank",

@@ -8,7 +8,7 @@ Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the mem
 | state/left/<node>                 | LeaveRecord    | agent       | SIGTERM/SIGINT, before workers stop  | none (the agent's own notice)           | controller, once it handled the leave     |
 | state/ctl/controller              | "<node>#<lease>"| agent      | claim (under its lease), held        | key absent (or already ours)            | lease expiry or revoke; an agent whose probe finds the holder gone |
 | state/ctl/round                   | RoundHeader    | controller  | form a round                         | holds controller; round rev unchanged; no status | never (replaced by the next round) |
-| state/members/<round>/<bucket>    | MemberBucket   | controller  | with the round's header (same txn)   | as the header                           | controller, when the next round forms     |
+| state/members/<round>/<bucket>    | MemberBucket   | controller  | with the round's header (same txn); past 48 buckets (3,072 nodes) the rest just before it, 48 per txn | as the header | controller, when the next round forms |
 | state/ctl/master/<round>          | MasterRecord   | group rank 0| before starting its workers          | round rev unchanged                     | controller, when the next round forms     |
 | state/ctl/rollcall/<round>        | RollCall       | controller  | workers failed while a member is silent | holds controller; round rev unchanged | controller, when the next round forms     |
 | state/ctl/drain/<round>           | DrainRequest   | controller  | before a scale-up or a node leaving  | holds controller; round rev unchanged   | controller: next round, or change off     |
@@ -73,6 +73,9 @@ _sequence = itertools.count()
 # How long a call waits for etcd to answer before it raises EtcdUnavailable:
 _WRITE_DEADLINE_S = 30.0  # the protocol's writes and reads that the job cannot go on without
 _STEP_DEADLINE_S = 5.0  # an agent's own steps, which its caller retries or gives up on its own schedule
+# etcd allows 128 operations in one transaction by default (--max-txn-ops); a round's header, clean-up and events
+# take the rest. 48 buckets of ~64 members are ~200 KB, well inside its 1.5 MiB request limit.
+_BUCKETS_PER_TRANSACTION = 48
 _HOUSEKEEPING_DEADLINE_S = 1.0  # trimming and mirroring the log: its next turn does what this one could not
 # (full key, mod revision) of every malformed event warned about: once per process, however often it is read
 _warned_events: set[tuple[str, int]] = set()
@@ -323,6 +326,14 @@ class JobStore:
 
         return call_with_retry(attempt, deadline_s=deadline_s)
 
+    def _put_all(self, compare: list, puts: list, deadline_s: float = _WRITE_DEADLINE_S) -> bool:
+        """Run one guarded transaction of puts whose repeat writes the same values, retrying transient errors;
+        True if its guard held."""
+        won, _ = call_with_retry(
+            self.client.transaction, compare=compare, success=puts, failure=[], deadline_s=deadline_s
+        )
+        return won
+
     def _apply(self, compare: list, success: list, deadline_s: float = _WRITE_DEADLINE_S) -> None:
         """Run one guarded transaction whose repeat is harmless (deletes), retrying transient errors; a false guard
         means there is nothing left to do."""
@@ -545,13 +556,10 @@ class JobStore:
     ) -> list[MembershipEvent]:
         """The job's events with an etcd revision above `after_revision`, in log order; malformed ones left out."""
         # events are never modified, so their mod revision is their create revision
-        response = call_with_retry(
-            self.client.get_prefix_response,
-            self.keys.events,
-            min_mod_revision=after_revision + 1,
-            deadline_s=deadline_s,
+        kvs, _ = call_with_retry(
+            self.client.read_prefix, self.keys.events, min_mod_revision=after_revision + 1, deadline_s=deadline_s
         )
-        return _events_in({kv.key.decode(errors="replace"): Entry(kv.value, kv.mod_revision) for kv in response.kvs})
+        return _events_in({kv.key.decode(errors="replace"): Entry(kv.value, kv.mod_revision) for kv in kvs})
 
     # -- whole job -------------------------------------------------------------------------------------------
     def check_access(self) -> None:
@@ -614,10 +622,23 @@ class ControllerStore(JobStore):
         """Write round `record.round` and its events; drop earlier rounds' reports and the leaves it handled."""
         number = record.round
         header, buckets = record.split()
+        bucket_puts = [self._tx.put(self.keys.member_bucket(number, i), b.dumps()) for i, b in enumerate(buckets)]
+        compare = [
+            self._holds_controller(holder),
+            self._round_unchanged(round_revision),
+            self._tx.version(self.keys.status) == 0,
+        ]
+        # the buckets the header's transaction has no room for go first, under its guard: agents read a bucket only
+        # once the header announced the round. One that a lost race leaves behind is never read (its index is past
+        # the header's count, or the winner wrote it again) and goes with the next round's clean-up.
+        first_with_header = (len(bucket_puts) - 1) // _BUCKETS_PER_TRANSACTION * _BUCKETS_PER_TRANSACTION
+        for start in range(0, first_with_header, _BUCKETS_PER_TRANSACTION):
+            if not self._put_all(compare, bucket_puts[start : start + _BUCKETS_PER_TRANSACTION]):
+                return False
         puts = [self._event(e, holder.node) for e in events]
         ops = [
             self._tx.put(self.keys.round, header.dumps()),
-            *(self._tx.put(self.keys.member_bucket(number, i), b.dumps()) for i, b in enumerate(buckets)),
+            *bucket_puts[first_with_header:],
             # what belonged to earlier rounds goes with them: nothing stale reaches a new round
             self._tx.delete(self.keys.members, range_end=self.keys.members_prefix(number)),
             self._tx.delete(self.keys.rounds, range_end=self.keys.round_prefix(number)),
@@ -626,11 +647,6 @@ class ControllerStore(JobStore):
             self._tx.delete(self.keys.drains, range_end=self.keys.drain(number)),
             *(self._tx.delete(self.keys.left(node)) for node in handled_left),
             *(put for _, put in puts),
-        ]
-        compare = [
-            self._holds_controller(holder),
-            self._round_unchanged(round_revision),
-            self._tx.version(self.keys.status) == 0,
         ]
         return self._commit(compare, ops, marker=puts[-1][0])
 

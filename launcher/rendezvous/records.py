@@ -62,7 +62,8 @@ class RoundHeader(Record):
     """What every agent watches of a round: a few hundred bytes whatever the job's size.
 
     The members sit in `buckets` separate records, by a hash of the node id, so an agent reads only its own
-    bucket: receiving every member list would cost etcd N x N bytes per round.
+    bucket: receiving every member list would cost etcd N x N bytes per round. A bucket holds about
+    MEMBERS_PER_BUCKET members (a hash spreads them, not a count).
     """
 
     round: int = Field(ge=0)
@@ -106,8 +107,9 @@ def _position(nodes: list[str], incarnations: list[int], node: str, incarnation:
     return None if incarnation is not None and incarnations[index] != incarnation else index
 
 
-_MEMBERS_PER_BUCKET = 64
-_MAX_BUCKETS = 48  # a round is one transaction, and etcd allows 128 operations in one by default
+# what one agent reads of a round, about 4 KB whatever the job's size: a cap on the bucket count instead would make
+# the bytes etcd sends per round grow as N x N
+MEMBERS_PER_BUCKET = 64
 
 
 def bucket_of(node: str, buckets: int) -> int:
@@ -201,7 +203,7 @@ class RoundRecord(Record):
 
     def split(self) -> tuple[RoundHeader, list[MemberBucket]]:
         """The header every agent watches, and the member buckets each agent reads one of."""
-        count = max(1, min(_MAX_BUCKETS, math.ceil(len(self.nodes) / _MEMBERS_PER_BUCKET)))
+        count = max(1, math.ceil(len(self.nodes) / MEMBERS_PER_BUCKET))
         columns: list[dict[str, list]] = [
             {"nodes": [], "incarnations": [], "nproc": [], "addrs": [], "group_ranks": [], "first_ranks": []}
             for _ in range(count)
@@ -365,7 +367,10 @@ class MembershipEvent(BaseModel):
     round: int | None = None
     node: str | None = None
     world_size: int | None = None
+    # round_started: each member's node and ranks, up to MAX_LOGGED_MEMBERS of them (the event is written in the
+    # round's transaction, which etcd limits to 1.5 MiB); `size` counts them always
     members: list[dict] | None = None
+    size: int | None = None
     local_rank: int | None = None
     rank: int | None = None
     exit_code: int | None = None

@@ -10,6 +10,11 @@ from launcher.rendezvous.decisions import DrainOutcome, FormRound, RoundReason, 
 from launcher.rendezvous.membership_log import MembershipEvent
 from launcher.rendezvous.records import RoundRecord
 
+# round_started lists the members up to here (~86 bytes each: 350 KB): the event rides in the round's transaction,
+# which etcd refuses past 1.5 MiB, and a 16,384-node list alone is 1.4 MB. The join and leave events still name
+# every node.
+MAX_LOGGED_MEMBERS = 4096
+
 
 def round_events(formed: FormRound, record: RoundRecord, settings: Settings, at: float) -> list[MembershipEvent]:
     """The events of round `record`, formed by `formed`, at unix time `at`: quarantines and readmissions, how
@@ -49,7 +54,8 @@ def round_events(formed: FormRound, record: RoundRecord, settings: Settings, at:
             time=at,
             round=number,
             world_size=record.world_size,
-            members=record.member_summary(),
+            size=len(record.nodes),
+            members=record.member_summary() if len(record.nodes) <= MAX_LOGGED_MEMBERS else None,
             reason=formed.reason.value,
             restart_count=formed.restart_count,
             replaced=[{"node": gone, "by": newcomer} for gone, newcomer in formed.replaced] or None,

@@ -6,7 +6,7 @@ import pytest
 
 from launcher.rendezvous.decisions import DrainOutcome, FormRound, RoundReason, Settings, assign_ranks
 from launcher.rendezvous.records import NodeRecord, RoundRecord
-from launcher.rendezvous.round_events import round_events
+from launcher.rendezvous.round_events import MAX_LOGGED_MEMBERS, round_events
 
 SETTINGS = Settings(
     rdzv_id="job",
@@ -37,7 +37,13 @@ def formed(reason: RoundReason, restart_count: int = 0, **fields) -> FormRound:
 
 def started(reason: str, restart_count: int = 0) -> dict:
     return dict(
-        event="round_started", round=5, world_size=4, members=SUMMARY, reason=reason, restart_count=restart_count
+        event="round_started",
+        round=5,
+        world_size=4,
+        size=2,
+        members=SUMMARY,
+        reason=reason,
+        restart_count=restart_count,
     )
 
 
@@ -104,3 +110,14 @@ def test_the_events_of_a_new_round_end_with_round_started(decision, expected):
     events = round_events(decision, record, SETTINGS, AT)
     assert [e.model_dump(exclude_none=True, exclude={"time"}) for e in events] == expected
     assert {e.time for e in events} == {AT}
+
+
+@pytest.mark.parametrize("size, listed", [(MAX_LOGGED_MEMBERS, True), (MAX_LOGGED_MEMBERS + 1, False)])
+def test_round_started_lists_members_while_the_list_fits_in_the_rounds_transaction(size, listed):
+    nodes = {f"n{i:05d}": NodeRecord(node=f"n{i:05d}", addr="10.0.0.1", nproc=1, lease=1, pid=1) for i in range(size)}
+    decision = FormRound(number=1, members=assign_ranks(None, nodes, size), reason=RoundReason.INITIAL, restart_count=0)
+    record = RoundRecord.of(1, decision.members, 0, "initial")
+    (event,) = round_events(decision, record, SETTINGS, AT)
+    assert event.size == size and event.world_size == size
+    assert (event.members is not None) == listed
+    assert len(event.dumps()) < 400 * 1024, "with the round's buckets, it must stay well under etcd's 1.5 MiB"
