@@ -37,7 +37,7 @@ from launcher.etcd.lease_keeper import LeaseRoutes
 from launcher.etcd.watch import RangeMirror
 from launcher.node import exit_deadline, rules
 from launcher.node.controller_seat import ControllerSeat
-from launcher.node.incarnation import Incarnation
+from launcher.node.incarnation import Incarnation, read_before_joining
 from launcher.node.round_reporter import RoundReporter
 from launcher.node.round_workers import RoundWorkers, WorkerGroupFactory
 from launcher.node.rules import Phase, RoundRun
@@ -110,10 +110,10 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             for signum in self.config.signals_to_handle:
                 signal.signal(signum, self._on_signal)
-        status = self.store.read_status()
+        status = read_before_joining(self.config, "the job's status", self.store.read_status)
         if status is not None:
             return _job_already_over(self.config.rdzv_id, status)
-        self.mirror.start()
+        read_before_joining(self.config, "the job's state", self.mirror.start)
         self.liveness.start()
         node_memory.create_empty(self.memory_dir)
         node_memory.remove_abandoned(self.memory_dir.parent)
