@@ -125,10 +125,19 @@ def scrape_members(endpoints: list[str], timeout: float = 10.0) -> dict[str, Sam
     return samples
 
 
+class MetricsUnavailable(RuntimeError):
+    """No etcd member answered its metrics endpoint at both ends of a window: it cannot be measured."""
+
+
 def delta_members(before: dict[str, Sample], after: dict[str, Sample]) -> Delta:
     """The cluster's delta over the members scraped at both ends (a member killed in between is left out, its
-    requests uncounted)."""
+    requests uncounted); MetricsUnavailable if none was (an etcd too loaded to answer in time)."""
     common = [endpoint for endpoint in before if endpoint in after]
+    if not common:
+        raise MetricsUnavailable(
+            f"no etcd member answered its metrics endpoint at both ends of the window (before: {sorted(before)}, "
+            f"after: {sorted(after)})"
+        )
     return delta(_combined([before[e] for e in common]), _combined([after[e] for e in common]))
 
 

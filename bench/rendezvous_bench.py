@@ -545,7 +545,7 @@ class RendezvousRun:
                 )
                 logger.info("  etcd leader killed while idle: %s", self.result["leader_killed_idle"])
             self.reform_after_a_death()
-        except Timeout as exc:
+        except (Timeout, etcd_metrics.MetricsUnavailable) as exc:  # the run ends; whether the job converged is told
             self.diagnose(exc)
         finally:
             self.clean_up()
@@ -761,8 +761,9 @@ class RendezvousRun:
             ttl,
         )
 
-    def diagnose(self, exc: Timeout) -> None:
-        """A phase timed out: what etcd holds, and every host thread's stack (host<i>/stacks.txt)."""
+    def diagnose(self, exc: Exception) -> None:
+        """A phase timed out (or etcd could not be measured): what etcd holds, and every host thread's stack
+        (host<i>/stacks.txt)."""
         logger.error("  N=%d: %s", self.n, exc)
         self.result["error"] = str(exc)
         if self.client is not None:
