@@ -326,18 +326,13 @@ class JobStore:
 
         return call_with_retry(attempt, deadline_s=deadline_s)
 
-    def _put_all(self, compare: list, puts: list, deadline_s: float = _WRITE_DEADLINE_S) -> bool:
-        """Run one guarded transaction of puts whose repeat writes the same values, retrying transient errors;
-        True if its guard held."""
+    def _apply(self, compare: list, success: list, deadline_s: float = _WRITE_DEADLINE_S) -> bool:
+        """Run one guarded transaction whose repeat is harmless (deletes, puts of the same values), retrying
+        transient errors; True if its guard held (for deletes, a false guard means there is nothing left to do)."""
         won, _ = call_with_retry(
-            self.client.transaction, compare=compare, success=puts, failure=[], deadline_s=deadline_s
+            self.client.transaction, compare=compare, success=success, failure=[], deadline_s=deadline_s
         )
         return won
-
-    def _apply(self, compare: list, success: list, deadline_s: float = _WRITE_DEADLINE_S) -> None:
-        """Run one guarded transaction whose repeat is harmless (deletes), retrying transient errors; a false guard
-        means there is nothing left to do."""
-        call_with_retry(self.client.transaction, compare=compare, success=success, failure=[], deadline_s=deadline_s)
 
     def _count(self, prefix: str, deadline_s: float = _WRITE_DEADLINE_S) -> int:
         return call_with_retry(self.client.get_prefix_response, prefix, count_only=True, deadline_s=deadline_s).count
@@ -633,7 +628,7 @@ class ControllerStore(JobStore):
         # the header's count, or the winner wrote it again) and goes with the next round's clean-up.
         first_with_header = (len(bucket_puts) - 1) // _BUCKETS_PER_TRANSACTION * _BUCKETS_PER_TRANSACTION
         for start in range(0, first_with_header, _BUCKETS_PER_TRANSACTION):
-            if not self._put_all(compare, bucket_puts[start : start + _BUCKETS_PER_TRANSACTION]):
+            if not self._apply(compare, bucket_puts[start : start + _BUCKETS_PER_TRANSACTION]):
                 return False
         puts = [self._event(e, holder.node) for e in events]
         ops = [
