@@ -3,15 +3,14 @@ elastic-run's own parser (its training script's with train.py's)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from example_modules import load_example
 from launcher_harness import REPO
 
 from launcher.commands.cli import build_parser, config_from_args
@@ -35,11 +34,7 @@ def manifests() -> list[dict]:
 
 
 def train_config(args: list[str]):
-    spec = importlib.util.spec_from_file_location("recipe_train", REPO / "examples" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = train  # pydantic resolves the config's annotations through it
-    spec.loader.exec_module(train)
-    return train.parse_config(args)
+    return load_example("train").parse_config(args)
 
 
 def parse(argv: list[str], monkeypatch) -> LaunchConfig:

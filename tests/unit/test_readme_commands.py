@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
 import re
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from example_modules import load_example
 
 from launcher.commands import log as log_command
 from launcher.commands import purge as purge_command
@@ -91,14 +90,6 @@ def commands_in(path: Path) -> list[Command]:
     return found
 
 
-def load_train():
-    spec = importlib.util.spec_from_file_location("readme_train", REPO / "examples" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = train  # pydantic resolves the config's annotations through it
-    spec.loader.exec_module(train)
-    return train
-
-
 def scenario_parser() -> argparse.ArgumentParser:
     """examples/scenario.py builds its parser inside main(), next to the code that runs etcd and agents: rebuild
     it here from its add_argument calls (their literal arguments, and int/float/str types)."""
@@ -172,14 +163,9 @@ def check(command: Command, monkeypatch, capsys, tmp_path: Path, *, whole: bool)
         parse_train(parsed.training_script_args, command, capsys)
 
 
-_train = None
-
-
 def parse_train(args: list[str], command: Command, capsys) -> None:
-    global _train
-    _train = _train or load_train()
     try:
-        _train.parse_config(args)
+        load_example("train").parse_config(args)
         return
     except SystemExit:
         error = refusal(capsys)
