@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import select
 import socket
 import stat
 import sys
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _group_sockets: set[tuple[int, int]] = set()  # (descriptor, inode) of sockets opened while a group was built
+_connections_of_group: dict[int, set[tuple[int, int]]] = {}  # id(group) -> the connections among those it opened
 _installed = False
 _aborts = 0  # abort_all calls so far
 
@@ -79,15 +81,50 @@ def track_group_sockets() -> None:
         @functools.wraps(build)
         def build_and_remember(*args, **kwargs):
             before = _socket_inodes()
+            built = None
             try:
-                return build(*args, **kwargs)
+                built = build(*args, **kwargs)
+                return built
             finally:
                 opened = {(fd, inode) for fd, inode in _socket_inodes().items() if before.get(fd) != inode}
                 with _lock:
                     _group_sockets.update(opened)
+                    if isinstance(built, tuple) and isinstance(built[0], dist.ProcessGroup):
+                        _connections_of_group[id(built[0])] = {(fd, ino) for fd, ino in opened if _is_connection(fd)}
 
         c10d._new_process_group_helper = build_and_remember
         _installed = True
+
+
+def peer_closed(group: dist.ProcessGroup | None) -> bool:
+    """Whether a peer closed or reset one of `group`'s connections: its process died, or it aborted its groups for
+    a new round. gloo can miss that: a send or receive posted before the peer died mid-message may wait forever
+    (3 ranks in a ring, one SIGKILLed while each sends 16-64 MB to the next: the survivors' operations on it never
+    returned in 2 runs of 3). The kernel knows at once: the connection reads end-of-stream, or gloo, where it did
+    see the end, closed it."""
+    if group is None:
+        return False
+    with _lock:
+        connections = list(_connections_of_group.get(id(group), ()))
+    poller = select.poll()
+    for fd, inode in connections:
+        try:
+            if os.fstat(fd).st_ino != inode:
+                return True  # gloo closed it and the descriptor was reused: it closes one only once it failed
+        except OSError:
+            return True
+        poller.register(fd, select.POLLRDHUP)  # a hang-up or an error is reported without being asked for
+    return any(not events & select.POLLNVAL for _, events in poller.poll(0))
+
+
+def _is_connection(fd: int) -> bool:
+    """Whether `fd` is a TCP connection, not a listening socket (shut down, one makes gloo's accept loop fail, and
+    its thread aborts the process)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            return sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    except OSError:
+        return False
 
 
 def abort_all() -> int:
@@ -100,14 +137,9 @@ def abort_all() -> int:
     shut = 0
     for fd, inode in sockets:
         try:
-            if os.fstat(fd).st_ino != inode:
-                continue  # the descriptor was closed and reused for something else
+            if os.fstat(fd).st_ino != inode or not _is_connection(fd):
+                continue  # the descriptor was closed and reused for something else, or it listens
             with socket.socket(fileno=os.dup(fd)) as connection:
-                # a listening socket shut down makes gloo's accept loop fail, and its thread aborts the process
-                if connection.type != socket.SOCK_STREAM or connection.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_ACCEPTCONN
-                ):
-                    continue
                 connection.shutdown(socket.SHUT_RDWR)
             shut += 1
         except OSError:
@@ -129,6 +161,7 @@ def destroy_all() -> None:
             logger.debug("destroying the aborted process groups failed: %s", exc)
     with _lock:
         _group_sockets.clear()
+        _connections_of_group.clear()
 
 
 def forget_device_meshes() -> None:

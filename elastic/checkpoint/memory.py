@@ -47,6 +47,7 @@ from elastic.checkpoint.snapshot_format import MappedFiles, SnapshotReader, Snap
 
 logger = logging.getLogger(__name__)
 
+COPY_CHECK_S = 0.05  # how often a save waiting for the last copy looks whether a peer of the copy closed
 KEEP = 2  # own snapshots per node: the newest, and the one before it while the newest is copied
 RECORD = "snapshot.json"
 METADATA = ".metadata"
@@ -169,9 +170,20 @@ class MemorySnapshots:
         logger.debug("memory snapshot of step %d in %.3fs", step, time.monotonic() - started)
 
     def wait_for_copy(self) -> None:
-        """Wait until this node's part of the last snapshot is on the next node (leaders; others return)."""
+        """Wait until this node's part of the last snapshot is on the next node (leaders; others return). A copy
+        whose peer closed its connection ends only when this process's groups are aborted (gloo may wait on a
+        peer that died mid-message forever): they are, so this rank fails like its peers and takes the next
+        round, instead of blocking until elastic-run finds its node stalled."""
         if self._copy is not None:
-            self._copy.join()
+            while self._copy.is_alive():
+                self._copy.join(COPY_CHECK_S)
+                if self._copy.is_alive() and process_groups.peer_closed(self._copy_group):
+                    logger.warning(
+                        "a peer closed its connection during the copy of the last memory snapshot (it died or left "
+                        "the round): aborting this process's groups"
+                    )
+                    process_groups.abort_all()
+                    self._copy.join()
             self._copy = None
         if self._copy_error is not None:
             error, self._copy_error = self._copy_error, None

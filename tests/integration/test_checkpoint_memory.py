@@ -6,11 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from multiproc import run_ranks
 from test_checkpoint_reshard import assert_identical, full_state, sharded
 
@@ -276,3 +279,43 @@ def test_a_snapshot_the_groups_were_aborted_during_does_not_count(tmp_path: Path
     monkeypatch.undo()
     newest = snapshots.newest()
     assert newest is not None and newest.step == 1
+
+
+def copy_cut_by_its_peer(rank: int, world_size: int, root: str) -> tuple[bool, bool, float, int] | None:
+    """Rank 0 waits for a copy to rank 1 that only an abort of its own groups ends; rank 1 leaves the round."""
+    process_groups.track_group_sockets()
+    group = dist.new_group(backend="gloo")  # the copy group: its connections are told apart from the others
+    dist.barrier(group=group)
+    closed_while_healthy = process_groups.peer_closed(group)
+    dist.barrier()
+    if rank == 1:
+        process_groups.abort_all()  # as when it takes a new round, or as its death closes them
+        return None
+    snapshots = MemorySnapshots(Path(root), Ranks(None), None)
+    snapshots._copy_group = group
+    aborts = process_groups.aborts()
+
+    def copy_only_an_abort_ends() -> None:
+        # what gloo does when the peer died mid-message (process_groups.peer_closed): it waits, for good
+        deadline = time.monotonic() + 30
+        while process_groups.aborts() == aborts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        snapshots._copy_error = RuntimeError("Connection closed by peer")
+
+    snapshots._copy = threading.Thread(target=copy_only_an_abort_ends, daemon=True)
+    snapshots._copy.start()
+    began = time.monotonic()
+    snapshots.wait_for_copy()
+    return closed_while_healthy, process_groups.peer_closed(group), time.monotonic() - began, process_groups.aborts()
+
+
+@pytest.mark.timeout(120)
+def test_a_save_does_not_wait_for_a_copy_whose_peer_closed_its_connection(tmp_path: Path) -> None:
+    """The next save waits for the last copy. One whose peer is gone never ends by itself, and the node stood
+    until elastic-run found it stalled and probed (2.44 s instead of 1.17 s after a node's SIGKILL, in a chaos
+    run): now the save sees the closed connection, aborts the groups, and fails at once like its peers."""
+    closed_while_healthy, closed_after, waited_s, aborts = run_ranks(2, copy_cut_by_its_peer, str(tmp_path))[0]
+    assert not closed_while_healthy, "a live peer's connections are not closed"
+    assert closed_after
+    assert waited_s < 5, f"the save waited {waited_s:.1f}s for a copy whose peer was gone"
+    assert aborts == 1
