@@ -12,9 +12,11 @@ folder holds::
 
 After a save, the leader of each node (its lowest rank) sends its node's data files to the leader of the next
 node (nodes in rank order, the last to the first) in the background, over a gloo group of their own; the next
-save waits for that copy. A step is loadable when some node has its snapshot.json and every data file it lists
-is whole on some node. To load it, the nodes send each other the files they lack (point to point, over the
-snapshot group), and every rank loads with DCP from its own node's folder: at any world size, as from disk.
+save waits for that copy, unless a peer of the copy closed its connection: gloo may then wait forever, so the
+save aborts the groups and fails as its peers' collectives do. A step is loadable when some node has its
+snapshot.json and every data file it lists is whole on some node. To load it, the nodes send each other the
+files they lack (point to point, over the snapshot group), and every rank loads with DCP from its own node's
+folder: at any world size, as from disk.
 At most ``KEEP`` own snapshots and one peer copy (two while the next arrives) stay per node. Once ``KEEP`` are
 held, a save writes over the files of the oldest, through the mappings its ranks kept of them: a memory copy,
 no new pages, nothing freed during the step.
