@@ -30,8 +30,10 @@ import torch.distributed.distributed_c10d as c10d
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_group_sockets: set[tuple[int, int]] = set()  # (descriptor, inode) of sockets opened while a group was built
-_connections_of_group: dict[int, set[tuple[int, int]]] = {}  # id(group) -> the connections among those it opened
+# (descriptor, inode) of the connections opened while a group was built (its listening socket is left out: shut
+# down, one makes gloo's accept loop fail, and its thread aborts the process)
+_group_connections: set[tuple[int, int]] = set()
+_connections_of_group: dict[int, set[tuple[int, int]]] = {}  # id(group) -> the part of them it opened
 _installed = False
 _aborts = 0  # abort_all calls so far
 
@@ -86,11 +88,15 @@ def track_group_sockets() -> None:
                 built = build(*args, **kwargs)
                 return built
             finally:
-                opened = {(fd, inode) for fd, inode in _socket_inodes().items() if before.get(fd) != inode}
+                opened = {
+                    (fd, inode)
+                    for fd, inode in _socket_inodes().items()
+                    if before.get(fd) != inode and _is_connection(fd)
+                }
                 with _lock:
-                    _group_sockets.update(opened)
+                    _group_connections.update(opened)
                     if isinstance(built, tuple) and isinstance(built[0], dist.ProcessGroup):
-                        _connections_of_group[id(built[0])] = {(fd, ino) for fd, ino in opened if _is_connection(fd)}
+                        _connections_of_group[id(built[0])] = opened
 
         c10d._new_process_group_helper = build_and_remember
         _installed = True
@@ -118,8 +124,7 @@ def peer_closed(group: dist.ProcessGroup | None) -> bool:
 
 
 def _is_connection(fd: int) -> bool:
-    """Whether `fd` is a TCP connection, not a listening socket (shut down, one makes gloo's accept loop fail, and
-    its thread aborts the process)."""
+    """Whether `fd` is a TCP connection, not a listening socket."""
     try:
         with socket.socket(fileno=os.dup(fd)) as sock:
             return sock.type == socket.SOCK_STREAM and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
@@ -133,12 +138,12 @@ def abort_all() -> int:
     global _aborts
     with _lock:
         _aborts += 1
-        sockets = list(_group_sockets)
+        connections = list(_group_connections)
     shut = 0
-    for fd, inode in sockets:
+    for fd, inode in connections:
         try:
-            if os.fstat(fd).st_ino != inode or not _is_connection(fd):
-                continue  # the descriptor was closed and reused for something else, or it listens
+            if os.fstat(fd).st_ino != inode:
+                continue  # the descriptor was closed and reused for something else
             with socket.socket(fileno=os.dup(fd)) as connection:
                 connection.shutdown(socket.SHUT_RDWR)
             shut += 1
@@ -160,7 +165,7 @@ def destroy_all() -> None:
         except Exception as exc:  # the groups are broken on purpose; what is left is freed with them
             logger.debug("destroying the aborted process groups failed: %s", exc)
     with _lock:
-        _group_sockets.clear()
+        _group_connections.clear()
         _connections_of_group.clear()
 
 
