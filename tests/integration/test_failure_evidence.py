@@ -76,10 +76,12 @@ def test_a_connection_that_is_answered_is_not_stalled():
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         code = (
-            f"import socket, time; s = socket.create_connection(('127.0.0.1', {port})); s.sendall(b'x' * 1000); "
-            "print('up', flush=True); time.sleep(30)"
+            f"import socket, sys; s = socket.create_connection(('127.0.0.1', {port})); s.sendall(b'x' * 1000); "
+            "print('up', flush=True); sys.stdin.read()"  # lives until the test closes its stdin, or dies
         )
-        client = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        client = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         try:
             assert client.stdout.readline().strip() == "up"
             conn, _ = server.accept()  # accepted, never read: the kernel still acknowledges the bytes

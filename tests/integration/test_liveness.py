@@ -34,11 +34,11 @@ def test_a_live_agent_answers_with_its_incarnation():
 
 def test_a_stopped_agent_does_not_answer_within_the_timeout():
     code = (
-        "from launcher.rendezvous.liveness import LivenessServer; import time; "
+        "from launcher.rendezvous.liveness import LivenessServer; import sys; "
         "s = LivenessServer('127.0.0.1').start(); "
-        "s.incarnation = 7; print(s.port, flush=True); time.sleep(60)"
+        "s.incarnation = 7; print(s.port, flush=True); sys.stdin.read()"  # lives until the test is done
     )
-    agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    agent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(agent.stdout.readline())
         assert probe("127.0.0.1", port, 7, timeout=2.0) is None

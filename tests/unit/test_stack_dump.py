@@ -58,7 +58,9 @@ def test_a_dump_is_over_once_written_long_before_the_grace(blocked_worker, stopp
 
 def test_a_worker_without_the_handler_gets_no_signal_and_no_wait(tmp_path):
     process = subprocess.Popen(
-        [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE
+        [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],  # until the test is done
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
     try:
         assert process.stdout is not None and process.stdout.readline() == b"ready\n"
