@@ -149,10 +149,11 @@ def _stat_fields(pid: int | str) -> list[str] | None:
         return None
 
 
-def is_stopped(pid: int) -> bool:
-    """Whether `pid` is stopped (SIGSTOP, SIGTSTP, or a tracer): it runs no code until it is continued."""
+def is_stopped(pid: int, by_tracer: bool = True) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, SIGTSTP, or, unless `by_tracer` is False, a tracer such as a debugger
+    at a breakpoint): it runs no code until it is continued."""
     fields = _stat_fields(pid)
-    return fields is not None and fields[0] in ("T", "t")
+    return fields is not None and fields[0] in (("T", "t") if by_tracer else ("T",))
 
 
 def own_children(pid: int) -> list[int]:

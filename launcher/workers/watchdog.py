@@ -190,9 +190,13 @@ class Watchdog:
         silent = worker.watch.silent_for(now)
         if silent > min(policy.floor, STALL_MIN_S) and worker.watch.current() is None:
             worker.watch.snapshot = channel.read(worker.view)  # once per silence: nothing changed since
-        if silent <= policy.floor:
+        if silent <= min(policy.floor, STALL_MIN_S):
             return None
-        stopped = not worker.started and self._stopped(worker, process)
+        # a stopped worker is held to its stall allowance once it heartbeated (watchdog_rules): only a signal's
+        # stop counts then, not a debugger's
+        stopped = self._stopped(worker, process, by_tracer=not worker.started)
+        if silent <= policy.floor and not (worker.started and stopped):
+            return None
         # a start-up stuck on a broken path cannot finish: looked for (once a second) past the normal allowance,
         # where a start-up is watched at all (the script heartbeats)
         cut_off: list[str] | None = None  # None: not looked for in this poll
@@ -240,12 +244,13 @@ class Watchdog:
                 return False
         return True
 
-    def _stopped(self, worker: _Worker, process: WorkerProcess) -> bool:
-        """Whether the worker's process is stopped: the one that owns its channel; before it opened it, the
-        process we started or one of its children (under a supervisor, the worker is its child)."""
+    def _stopped(self, worker: _Worker, process: WorkerProcess, by_tracer: bool = True) -> bool:
+        """Whether the worker's process is stopped (by a tracer too, with `by_tracer`): the one that owns its
+        channel; before it opened it, the process we started or one of its children (under a supervisor, the
+        worker is its child)."""
         owner = self._owner(worker, process)
         candidates = [owner] if owner != process.pid else [process.pid, *own_children(process.pid)]
-        return any(is_stopped(pid) for pid in candidates)
+        return any(is_stopped(pid, by_tracer) for pid in candidates)
 
     def _owner(self, worker: _Worker, process: WorkerProcess) -> int:
         """The worker's own pid, from its channel, if it is `process` or below it (a supervisor, a wrapper)."""

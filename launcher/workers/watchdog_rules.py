@@ -9,6 +9,9 @@ they wrote and asks these rules, passing its own clock's readings:
   to) is caught so; a start-up that loads a checkpoint for long belongs inside `long_operation`. A starting
   worker whose process is stopped (SIGSTOP) is not starting, nor is one whose connects are stuck on a broken
   path (`launcher.workers.failure_evidence`; no slow start-up retries a connect): each gets the normal allowance;
+- a worker that heartbeated in this round and whose process is stopped by a signal (SIGSTOP, SIGTSTP; not a
+  debugger's stop) is hung once it is silent past its stall allowance (below): it runs nothing until someone
+  continues it, so the rest of the normal allowance would only wait for that;
 - silence is measured from the last sign of life the agent saw: a heartbeat, or a long operation's begin or end;
 - the normal allowance is `--watchdog-timeout` seconds when it is a number; with `auto` it is the larger of
   `--watchdog-min` and `AUTO_FACTOR` x the slowest interval between heartbeats over the last `AUTO_WINDOW` steps
@@ -167,6 +170,7 @@ class Hang:
     long_op: str | None = None
     starting: bool = False  # no heartbeat yet in this round: held to the start-up allowance
     stopped: bool = False  # starting, but its process is stopped: held to the normal allowance
+    halted: bool = False  # heartbeated, and its process is stopped by a signal: held to its stall allowance
     cut_off: bool = False  # starting, but its connects are stuck on a broken path: held to the normal allowance
     # peers its stalled TCP connections lead to, or the store its start-up cannot reach (failure_evidence)
     stalled_peers: tuple[str, ...] = ()
@@ -177,7 +181,10 @@ class Hang:
         return self.at - self.seconds_silent
 
     def summary(self) -> str:
-        if self.stopped:
+        if self.halted:
+            step = f"after step {self.last_step}" if self.last_step is not None else "after its last heartbeat"
+            step += ", and its process is stopped"
+        elif self.stopped:
             step = "since it started, none yet in this round, and its process is stopped"
         elif self.cut_off:
             step = "since it started, none yet in this round, its start-up stuck on a broken path"
@@ -187,6 +194,8 @@ class Hang:
             step = f"after step {self.last_step}" if self.last_step is not None else "(no step given)"
         inside = f" inside long operation {self.long_op!r}" if self.long_op else ""
         kind = "start-up allowance" if self.starting and not self.cut_off else "allowance"
+        if self.halted:
+            kind = "stall allowance"
         stalled = f"; broken paths to {', '.join(self.stalled_peers)}" if self.stalled_peers else ""
         return f"no heartbeat for {self.seconds_silent:.1f}s {step}{inside} ({kind} {self.allowance:g}s){stalled}"
 
@@ -244,8 +253,9 @@ class WorkerWatch:
     ) -> Hang | None:
         """A Hang when the worker heartbeated before and has been silent longer than its allowance; `now` is the
         agent's monotonic clock, `wall` the unix time of the same moment, `stopped` whether its process is
-        stopped, `cut_off` whether its connects are stuck on a broken path (a starting worker then gets the
-        normal allowance: it starts nothing, or cannot finish)."""
+        stopped by a signal, `cut_off` whether its connects are stuck on a broken path (a starting worker then
+        gets the normal allowance: it starts nothing, or cannot finish; one that heartbeated and is stopped, its
+        stall allowance, if that is shorter)."""
         if snapshot is None:
             return None
         self.observe(snapshot.seq, now)
@@ -257,6 +267,11 @@ class WorkerWatch:
             allowed = max(policy.startup, allowance(policy, (), snapshot.long_op))
         else:
             allowed = allowance(policy, snapshot.intervals, snapshot.long_op)
+        halted = False
+        if stopped and not starting:
+            stalled_after = stall_allowance(snapshot.intervals)
+            if stalled_after is not None and stalled_after < allowed:
+                allowed, halted = stalled_after, True
         silent = self.silent_for(now)
         if silent <= allowed:
             return None
@@ -268,5 +283,6 @@ class WorkerWatch:
             long_op=snapshot.long_op.name if snapshot.long_op else None,
             starting=starting and not stopped,
             stopped=starting and stopped,
+            halted=halted,
             cut_off=starting and not stopped and cut_off,
         )
