@@ -435,8 +435,9 @@ def test_etcd_leader_changes_mid_run_change_nothing(make_network, tmp_path):
     after the old one is lost) changes its leader three times while one job trains under a lease of 1 s x 4 (a
     node fences itself after 3.75 s without a confirmation; its last one can be an interval old when the leader
     goes, so the default 3 s lease fits only elections under about 1.5 s: CI once saw a node fenced in a run
-    whose elections took 1.7 and 1.4 s). Each time the leader is the member the controller's agent talks to; it is cut off
-    silently for good, then killed, then hands over with `etcdctl move-leader` (five members outlive losing two).
+    whose elections took 1.7 and 1.4 s). Each time the leader is the member the controller's agent talks to; it is
+    cut off silently for good, then killed, then hands over with `etcdctl move-leader` (five members outlive losing
+    two).
     Each time a new leader must be elected in a later term, and the job must train on past the time a fence would
     have come; then nothing else may have happened: no fence, no new round, the same workers. A silent cut is the
     hard case: followers hold the refreshes they forward to the dead leader until the caller's deadline, so the
