@@ -108,12 +108,12 @@ def snapshot(seq: int, beats: int, intervals=(), step=None, long_op=None) -> cha
 def test_a_stall_is_a_few_slow_steps_of_silence_and_never_under_half_a_second():
     assert stall_allowance([]) is None and stall_allowance([0.2]) is None, "too few steps to know the pace"
     assert stall_allowance([0.1, 0.1]) == STALL_MIN_S
-    assert stall_allowance([0.1, 0.4, 0.2]) == pytest.approx(1.2), "a few steps: the slowest"
+    assert stall_allowance([0.1, 0.4, 0.2]) == pytest.approx(0.8), "a few steps: the slowest"
     assert stall_allowance([30.0] + [0.1] * 100) == STALL_MIN_S, "the window of the last 100 steps"
     # a host that was loaded for one step or two does not hold the allowance above the lease
-    assert stall_allowance([0.2] * 20 + [1.1, 0.7]) == pytest.approx(0.6)
+    assert stall_allowance([0.3] * 20 + [1.1, 0.7]) == pytest.approx(0.6)
     # an evaluation every 5 steps is part of the pace: allowed for, not reported
-    assert stall_allowance(([0.2] * 4 + [2.0]) * 20) == pytest.approx(6.0)
+    assert stall_allowance(([0.2] * 4 + [2.0]) * 20) == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize(
@@ -123,7 +123,7 @@ def test_a_stall_is_a_few_slow_steps_of_silence_and_never_under_half_a_second():
         ([(0.7, snapshot(9, 5, [0.1] * 4, step=4))], True),
         ([(0.7, snapshot(9, 5, [0.1] * 4, step=4)), (0.4, snapshot(9, 5, [0.1] * 4, step=4))], False),  # one beats
         ([(0.7, snapshot(9, 5, [0.1] * 4, step=4)), (9.0, None)], False),  # one changed since its read: alive
-        ([(0.7, snapshot(9, 5, [0.1, 0.3], step=4))], False),  # a slow step in the window: 0.9 s allowed
+        ([(0.7, snapshot(9, 5, [0.1, 0.4], step=4))], False),  # a slow step in the window: 0.8 s allowed
         ([(0.7, snapshot(9, 2, [0.1], step=1))], False),  # too few steps to know the pace
         ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=channel.LongOp("checkpoint save", None)))], False),
     ],
@@ -156,14 +156,14 @@ def test_the_watchdog_finds_its_workers_stalled_once_they_stop_beating(tmp_path)
     writers = [channel.open_channel(str(path), clock=clock, install_hooks=False) for path in paths]
     running = [RunningProcess(), RunningProcess()]
     try:
-        for step in range(4):  # 0.2 s steps
-            clock.now += 0.2
+        for step in range(4):  # 0.3 s steps
+            clock.now += 0.3
             for writer in writers:
                 writer.beat(step)
             watchdog.check(running)
         clock.now += 0.55
         watchdog.check(running)
-        assert watchdog.stall is None, "0.55 s of silence, under 3 x the 0.2 s steps"
+        assert watchdog.stall is None, "0.55 s of silence, under 2 x the 0.3 s steps"
         clock.now += 0.1
         watchdog.check(running)
         assert watchdog.stall == Stall(seconds_silent=pytest.approx(0.65), last_step=3)
@@ -229,9 +229,9 @@ def test_once_a_node_saw_heartbeats_a_new_worker_gets_the_start_up_allowance():
 @pytest.mark.timeout(10)
 def test_a_worker_stopped_after_heartbeats_is_hung_past_its_stall_allowance():
     """A stopped process runs nothing until someone continues it: once it is silent past its stall allowance (here
-    3 x 0.2 s), the rest of the normal allowance (10 s) would only wait for that."""
+    2 x 0.3 s), the rest of the normal allowance (10 s) would only wait for that."""
     policy = fixed(10.0)
-    paced = snapshot(20, 10, intervals=[0.2] * 10, step=9)
+    paced = snapshot(20, 10, intervals=[0.3] * 10, step=9)
 
     def verdict(at: float, **evidence):
         watch = WorkerWatch()
