@@ -103,7 +103,11 @@ def elastic_run(
         "0.01",
     ]
     started = time.monotonic()
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    except subprocess.TimeoutExpired as timed_out:  # what the agent said is the evidence of where it was held
+        said = timed_out.stderr.decode(errors="replace") if isinstance(timed_out.stderr, bytes) else timed_out.stderr
+        raise AssertionError(f"elastic-run did not exit within {timeout}s; its stderr:\n{said}") from None
     errors = [line for line in result.stderr.splitlines() if line.startswith("elastic-run: error:")]
     return result.returncode, errors, time.monotonic() - started, result.stderr
 
