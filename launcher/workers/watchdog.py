@@ -192,10 +192,13 @@ class Watchdog:
             worker.watch.snapshot = channel.read(worker.view)  # once per silence: nothing changed since
         if silent <= min(policy.floor, STALL_MIN_S):
             return None
-        # a stopped worker is held to its stall allowance once it heartbeated (watchdog_rules): only a signal's
-        # stop counts then, not a debugger's
+        # below the floor only a worker that heartbeated can be hung: held to its stall allowance if its process is
+        # stopped (watchdog_rules), so a starting worker's processes are not looked at until then
+        if silent <= policy.floor and not worker.started:
+            return None
+        # once it heartbeated only a signal's stop counts, not a debugger's
         stopped = self._stopped(worker, process, by_tracer=not worker.started)
-        if silent <= policy.floor and not (worker.started and stopped):
+        if silent <= policy.floor and not stopped:
             return None
         # a start-up stuck on a broken path cannot finish: looked for (once a second) past the normal allowance,
         # where a start-up is watched at all (the script heartbeats)
