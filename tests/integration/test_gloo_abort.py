@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -20,6 +21,8 @@ from launcher_harness import REPO
 from launcher.etcd.server import free_port
 
 pytestmark = pytest.mark.timeout(120)
+# a receive the abort ends raises at once; a send it cannot end still waits this long after it (30 min by default)
+WAITS_AFTER_ABORT_S = 5.0
 
 RANK = """
 import os, sys, threading, time
@@ -46,8 +49,8 @@ except RuntimeError as error:
 
 
 def run_pair(kind: str) -> tuple[str, bool]:
-    """Rank 0's output, once it ended or 12 s after the start (its abort comes about 2 s after its group), and
-    whether it still waited then."""
+    """Rank 0's output, once it ended or WAITS_AFTER_ABORT_S after its abort (which comes about 2 s after its group),
+    and whether it still waited then."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", PYTHONPATH=str(REPO))
     ranks = [
         subprocess.Popen(
@@ -59,16 +62,29 @@ def run_pair(kind: str) -> tuple[str, bool]:
         )
         for rank in (0, 1)
     ]
+    lines: list[str] = []
+    aborted_or_ended = threading.Event()
+
+    def read_rank_0() -> None:
+        for line in ranks[0].stdout:
+            lines.append(line)
+            if line.startswith("aborted"):
+                aborted_or_ended.set()
+        aborted_or_ended.set()
+
+    reader = threading.Thread(target=read_rank_0, daemon=True)
+    reader.start()
     try:
+        aborted_or_ended.wait(timeout=60)
         try:
-            ranks[0].wait(timeout=12)
+            ranks[0].wait(timeout=WAITS_AFTER_ABORT_S)
         except subprocess.TimeoutExpired:
             pass
         waiting = ranks[0].poll() is None
         for rank in ranks:
             rank.kill()
-        output = ranks[0].communicate(timeout=10)[0]
-        return output, waiting
+        reader.join(timeout=10)
+        return "".join(lines), waiting
     finally:
         for rank in ranks:
             if rank.poll() is None:
