@@ -32,6 +32,8 @@ log each rank writes, for each system:
                quorum); a chaos run that --deadline cuts short is measured up to its last step;
   pauses       every gap between two new committed steps longer than 5 x the fault-free median step (at least
                1 s), with the faults and joins that came in it;
+  change_pauses  each fault's and join's own pause, however short: the longest gap between two new committed
+               steps that ends after it and begins within 6 s of it;
   changing_s   the chaos run's seconds in gaps between two new committed steps longer than 3 x the fault-free
                median step: the time its membership changes took, small ones included;
   median_step_s  the fault-free and the chaos run's median step: the rest of chaos_s (on one machine a joining
@@ -99,6 +101,8 @@ logger = logging.getLogger("chaos-bench")
 KINDS = ("kill", "stop", "crash", "hang", "term")
 SYSTEMS = ("elastic-run", "torchft", "nvrx")
 STOPPED_UNTIL_KILL_S = 10.0
+# a change's own pause begins within this long of it: its detection (a lease, a stall, a hang) and its round
+CHANGE_WINDOW_S = 6.0
 RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3"
 
 
@@ -492,6 +496,21 @@ def joins_when_registered(changes: list[Change], registered: dict[str, float]) -
     return moved
 
 
+def change_pauses(steps: list[tuple[float, int, int]], changes: list[Change], window_s: float) -> list[dict]:
+    """Each fault's and join's own pause: the longest gap between two new committed steps that ends after it and
+    begins within `window_s` of it (its detection and its round change), however short. `pauses` lists only the
+    long gaps; a change that cost less than a second shows here."""
+    found = []
+    for change in sorted(changes, key=lambda c: c.at):
+        gaps = [
+            (b[0] - a[0], a[1]) for a, b in zip(steps, steps[1:]) if b[0] > change.at and a[0] < change.at + window_s
+        ]
+        if gaps:
+            gap, after_step = max(gaps)
+            found.append({"what": change.what, "s": round(gap, 2), "after_step": after_step})
+    return found
+
+
 def compare(free: Run, chaos: Run) -> dict:
     free_records, chaos_records = free.records(), chaos.records()
     free_steps, chaos_steps = progress(free_records), progress(chaos_records)
@@ -532,6 +551,7 @@ def compare(free: Run, chaos: Run) -> dict:
         "median_step_s": [round(median, 4), round(statistics.median(chaos_gaps), 4)],
         "longest_pause_s": max((float(p["s"]) for p in pauses), default=0.0),
         "pauses": pauses,
+        "change_pauses": change_pauses(chaos_steps, changes, CHANGE_WINDOW_S),
     }
     if chaos.system.name == "elastic-run":  # train.py logs its samples and losses: the runs must agree on them
         expected, got = step_samples(free_records), step_samples(chaos_records)
@@ -619,6 +639,8 @@ def print_report(results: list[dict]) -> None:
         for pause in r["pauses"]:
             print(f"{'':{len(r['system']) + 1}} {pause['s']:8.2f} | {pause['after_step']:10d} | ", end="")
             print(", ".join(pause["causes"]) or "-")
+        print(f"{r['system']}: each change's pause: ", end="")
+        print(", ".join(f"{change['what']} {change['s']:.2f} s" for change in r["change_pauses"]) or "-")
         if r["system"] == "elastic-run":
             print(
                 f"elastic-run against its fault-free run: steps missing {len(r['steps_missing'])}, steps whose "

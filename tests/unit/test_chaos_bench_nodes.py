@@ -68,3 +68,37 @@ def test_a_join_counts_when_the_node_registered_not_when_it_started() -> None:
     ]
     moved = chaos_bench.joins_when_registered(changes, {"node3": 114.5, "node1": 1.0})
     assert [(c.at, c.what) for c in moved] == [(100.0, "kill node1"), (114.5, "node3 joins"), (120.0, "node4 joins")]
+
+
+def steps_every(interval: float, until: float, gaps: dict[float, float]) -> list[tuple[float, int, int]]:
+    """Committed steps every `interval` s from 0; after the first step at or past each time in `gaps`, a pause of
+    that length instead."""
+    steps, now, pending = [], 0.0, sorted(gaps.items())
+    while now <= until:
+        steps.append((now, len(steps) + 1, 6))
+        if pending and now >= pending[0][0]:
+            now += pending.pop(0)[1]
+        else:
+            now += interval
+    return steps
+
+
+def test_every_change_gets_its_own_pause_however_short() -> None:
+    # steps every 0.25 s; a 0.9 s pause begins at 10.0 (a kill at 10.1), a 1.9 s one at 25.0 (a stop at 24.0, found
+    # after a stall), and a join at 30.0 costs nothing
+    steps = steps_every(0.25, 40.0, {10.0: 0.9, 25.0: 1.9})
+    changes = [
+        chaos_bench.Change(30.0, "node4 joins"),
+        chaos_bench.Change(10.1, "kill node1"),
+        chaos_bench.Change(24.0, "stop node2"),
+    ]
+    pauses = chaos_bench.change_pauses(steps, changes, window_s=6.0)
+    assert [(p["what"], p["s"]) for p in pauses] == [("kill node1", 0.9), ("stop node2", 1.9), ("node4 joins", 0.25)]
+    after = {p["what"]: p["after_step"] for p in pauses}
+    assert after["kill node1"] == next(step for at, step, _ in steps if at >= 10.0)
+
+
+def test_a_gap_long_after_a_change_is_not_its_pause() -> None:
+    steps = steps_every(0.25, 30.0, {20.0: 3.0})
+    pauses = chaos_bench.change_pauses(steps, [chaos_bench.Change(10.0, "crash node0")], window_s=6.0)
+    assert [(p["what"], p["s"]) for p in pauses] == [("crash node0", 0.25)]
