@@ -33,7 +33,7 @@ log each rank writes, for each system:
   pauses       every gap between two new committed steps longer than 5 x the fault-free median step (at least
                1 s), with the faults and joins that came in it;
   change_pauses  each fault's and join's own pause, however short: the longest gap between two new committed
-               steps that ends after it and begins within 6 s of it;
+               steps that ended after it (and before the next change) and began within 6 s of it;
   changing_s   the chaos run's seconds in gaps between two new committed steps longer than 3 x the fault-free
                median step: the time its membership changes took, small ones included;
   median_step_s  the fault-free and the chaos run's median step: the rest of chaos_s (on one machine a joining
@@ -497,16 +497,20 @@ def joins_when_registered(changes: list[Change], registered: dict[str, float]) -
 
 
 def change_pauses(steps: list[tuple[float, int, int]], changes: list[Change], window_s: float) -> list[dict]:
-    """Each fault's and join's own pause: the longest gap between two new committed steps that ends after it and
-    begins within `window_s` of it (its detection and its round change), however short. `pauses` lists only the
-    long gaps; a change that cost less than a second shows here."""
+    """Each fault's and join's own pause, however short: the longest gap between two new committed steps of those
+    it caused. A gap is the latest change's before it ended, if it began within `window_s` of that change (the
+    change's detection and its round): a fault during the step in progress pauses from that step on, and a join a
+    few seconds before a fault does not take the fault's pause. `pauses` lists only the long gaps."""
+    ordered = sorted(changes, key=lambda c: c.at)
+    caused: dict[int, list[tuple[float, int]]] = {}
+    for before, after in zip(steps, steps[1:]):
+        earlier = [i for i, change in enumerate(ordered) if change.at < after[0]]
+        if earlier and before[0] < ordered[earlier[-1]].at + window_s:
+            caused.setdefault(earlier[-1], []).append((after[0] - before[0], before[1]))
     found = []
-    for change in sorted(changes, key=lambda c: c.at):
-        gaps = [
-            (b[0] - a[0], a[1]) for a, b in zip(steps, steps[1:]) if b[0] > change.at and a[0] < change.at + window_s
-        ]
-        if gaps:
-            gap, after_step = max(gaps)
+    for i, change in enumerate(ordered):
+        if i in caused:
+            gap, after_step = max(caused[i])
             found.append({"what": change.what, "s": round(gap, 2), "after_step": after_step})
     return found
 

@@ -102,3 +102,10 @@ def test_a_gap_long_after_a_change_is_not_its_pause() -> None:
     steps = steps_every(0.25, 30.0, {20.0: 3.0})
     pauses = chaos_bench.change_pauses(steps, [chaos_bench.Change(10.0, "crash node0")], window_s=6.0)
     assert [(p["what"], p["s"]) for p in pauses] == [("crash node0", 0.25)]
+
+
+def test_a_join_just_before_a_fault_does_not_take_the_faults_pause() -> None:
+    steps = steps_every(0.25, 30.0, {15.0: 0.8})  # a kill at 15.1 pauses the step in progress
+    changes = [chaos_bench.Change(10.0, "node6 joins"), chaos_bench.Change(15.1, "kill node3")]
+    pauses = chaos_bench.change_pauses(steps, changes, window_s=6.0)
+    assert [(p["what"], p["s"]) for p in pauses] == [("node6 joins", 0.25), ("kill node3", 0.8)]
