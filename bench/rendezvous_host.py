@@ -82,7 +82,8 @@ class SharedKeepAlive:
     and that host's agents lost their leases (the 2,048-agent runs' "one host's agents never saw the round").
 
     The connection runs on one member; when it breaks, or says nothing for `silence_s` while refreshes wait (a
-    member killed or cut off), it opens again on the next member of the client's endpoints.
+    member killed or cut off), it opens again on the next member of the client's endpoints and sends the
+    refreshes still waiting there.
     """
 
     def __init__(self, client, silence_s: float) -> None:
@@ -122,7 +123,7 @@ class SharedKeepAlive:
                 try:
                     connection.sock.sendall(out + connection.message(stream, message))
                 except OSError:
-                    pass  # the reader sees the socket fail and opens another; this waiter times out and retries
+                    pass  # the reader sees the socket fail and opens another, which sends this refresh again
         if not done.wait(deadline):
             with self._lock:
                 if waiter in self._pending[lease.id]:
@@ -150,6 +151,18 @@ class SharedKeepAlive:
         connection = GrpcConnection.connect(self._endpoint, self._silence_s)
         with self._lock:
             self._connection = connection
+            # refreshes asked for while no connection was open, or sent on the one that ended: a gRPC client
+            # queues a call while its channel connects, and fails one whose connection breaks at once (its
+            # keeper then sends another); either way the refresh goes out now instead of waiting out its deadline
+            resent = b""
+            for waiting_lease, queued in self._pending.items():
+                if queued:
+                    stream, out = connection.open_stream("/etcdserverpb.Lease/LeaseKeepAlive")
+                    self._streams[waiting_lease], self._leases[stream] = stream, waiting_lease
+                    message = etcdrpc.LeaseKeepAliveRequest(ID=waiting_lease).SerializeToString()
+                    resent += out + connection.message(stream, message) * len(queued)
+            if resent:
+                connection.sock.sendall(resent)
         while True:
             try:
                 data = connection.sock.recv(1 << 16)

@@ -4,6 +4,7 @@ LeaseKeepers on a real etcd."""
 
 from __future__ import annotations
 
+import socket
 import struct
 import sys
 import threading
@@ -114,5 +115,41 @@ def test_real_keepers_keep_leases_alive_on_one_connection(etcd):
         while any(lease.remaining_ttl > 0 for lease in leases) and time.monotonic() < deadline:
             time.sleep(0.2)  # no keeper refreshes now: etcd lets every lease end
         assert all(lease.remaining_ttl <= 0 for lease in leases)
+    finally:
+        client.close()
+
+
+def test_a_refresh_asked_for_while_the_connection_is_down_goes_out_once_it_is_back(etcd, monkeypatch):
+    """A gRPC client queues a call while its channel connects: the shared connection sends a refresh that waited for
+    it at once, instead of letting it wait out its deadline unsent (which, near a lapsing lease, fences an agent)."""
+    client = etcd_client.connect(etcd.endpoint)
+    asked = threading.Event()
+    connect = GrpcConnection.connect
+    connections = []
+
+    def connect_once_asked(endpoint: str, timeout_s: float) -> GrpcConnection:
+        if connections:
+            assert asked.wait(10), "the test asked for no refresh"
+        connections.append(connect(endpoint, timeout_s))
+        return connections[-1]
+
+    monkeypatch.setattr(GrpcConnection, "connect", staticmethod(connect_once_asked))
+    try:
+        shared = SharedKeepAlive(client, silence_s=3.0)
+        lease = client.lease(5)
+        endpoint = shared.endpoints(lease)[0]
+        assert shared.refresh(lease, 5.0, endpoint)[0].TTL > 0
+        connections[0].sock.shutdown(socket.SHUT_RDWR)  # the member went away: the next connection waits for us
+        answers: list = []
+        refresh = threading.Thread(target=lambda: answers.append(shared.refresh(lease, 5.0, endpoint)))
+        began = time.monotonic()
+        refresh.start()
+        while shared.carried < 2:  # counted as its waiter is queued
+            time.sleep(0.01)
+        asked.set()
+        refresh.join(timeout=10)
+        assert answers and answers[0][0].TTL > 0, "answered on the new connection"
+        assert time.monotonic() - began < 2.0, "not after waiting out its 5 s deadline"
+        assert len(connections) == 2
     finally:
         client.close()
