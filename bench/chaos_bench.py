@@ -57,6 +57,7 @@ It prints one JSON line per system, a table of the systems, then each system's p
 from __future__ import annotations
 
 import argparse
+import bisect
 import importlib.util
 import json
 import logging
@@ -502,11 +503,12 @@ def change_pauses(steps: list[tuple[float, int, int]], changes: list[Change], wi
     change's detection and its round): a fault during the step in progress pauses from that step on, and a join a
     few seconds before a fault does not take the fault's pause. `pauses` lists only the long gaps."""
     ordered = sorted(changes, key=lambda c: c.at)
+    times = [change.at for change in ordered]
     caused: dict[int, list[tuple[float, int]]] = {}
     for before, after in zip(steps, steps[1:]):
-        earlier = [i for i, change in enumerate(ordered) if change.at < after[0]]
-        if earlier and before[0] < ordered[earlier[-1]].at + window_s:
-            caused.setdefault(earlier[-1], []).append((after[0] - before[0], before[1]))
+        latest = bisect.bisect_left(times, after[0]) - 1  # the latest change before the gap ended
+        if latest >= 0 and before[0] < times[latest] + window_s:
+            caused.setdefault(latest, []).append((after[0] - before[0], before[1]))
     found = []
     for i, change in enumerate(ordered):
         if i in caused:

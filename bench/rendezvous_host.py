@@ -60,6 +60,10 @@ class HostState:
         self.events.put(("anomaly", self.index, None, 0, text))
 
 
+def keepalive_request(lease_id: int) -> bytes:
+    return etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString()
+
+
 class SharedKeepAlive:
     """Every lease refresh of a host's agents sent on ONE connection, a LeaseKeepAlive stream per lease, framed by
     hand (`grpc_wire`) on a plain socket.
@@ -109,19 +113,14 @@ class SharedKeepAlive:
         done = threading.Event()
         slot: list = []  # etcd's answer, appended by the connection's reader
         waiter = (done, slot)
-        message = etcdrpc.LeaseKeepAliveRequest(ID=lease.id).SerializeToString()
+        message = keepalive_request(lease.id)  # framed outside the lock every keeper sends under
         with self._lock:
             self._pending[lease.id].append(waiter)
             self.carried += 1
             connection = self._connection
             if connection is not None:
-                stream = self._streams.get(lease.id)
-                out = b""
-                if stream is None:
-                    stream, out = connection.open_stream("/etcdserverpb.Lease/LeaseKeepAlive")
-                    self._streams[lease.id], self._leases[stream] = stream, lease.id
                 try:
-                    connection.sock.sendall(out + connection.message(stream, message))
+                    connection.sock.sendall(self._refreshes(connection, lease.id, message))
                 except OSError:
                     pass  # the reader sees the socket fail and opens another, which sends this refresh again
         if not done.wait(deadline):
@@ -130,6 +129,16 @@ class SharedKeepAlive:
                     self._pending[lease.id].remove(waiter)
             raise EtcdUnavailable(f"keep-alive not answered within {deadline:g} s")
         return slot
+
+    def _refreshes(self, connection: GrpcConnection, lease_id: int, message: bytes, count: int = 1) -> bytes:
+        """`count` copies of `message` on `lease_id`'s stream of `connection`, opening the stream first if it has
+        none there (called under the lock)."""
+        stream = self._streams.get(lease_id)
+        opening = b""
+        if stream is None:
+            stream, opening = connection.open_stream("/etcdserverpb.Lease/LeaseKeepAlive")
+            self._streams[lease_id], self._leases[stream] = stream, lease_id
+        return opening + connection.message(stream, message) * count
 
     def _run(self) -> None:
         while True:
@@ -154,13 +163,11 @@ class SharedKeepAlive:
             # refreshes asked for while no connection was open, or sent on the one that ended: a gRPC client
             # queues a call while its channel connects, and fails one whose connection breaks at once (its
             # keeper then sends another); either way the refresh goes out now instead of waiting out its deadline
-            resent = b""
-            for waiting_lease, queued in self._pending.items():
-                if queued:
-                    stream, out = connection.open_stream("/etcdserverpb.Lease/LeaseKeepAlive")
-                    self._streams[waiting_lease], self._leases[stream] = stream, waiting_lease
-                    message = etcdrpc.LeaseKeepAliveRequest(ID=waiting_lease).SerializeToString()
-                    resent += out + connection.message(stream, message) * len(queued)
+            resent = b"".join(
+                self._refreshes(connection, lease_id, keepalive_request(lease_id), len(queued))
+                for lease_id, queued in self._pending.items()
+                if queued
+            )
             if resent:
                 connection.sock.sendall(resent)
         while True:
