@@ -3,8 +3,8 @@
 Two ranks on GPU 0, each a host of its own to NCCL (`NCCL_HOSTID`: NCCL refuses two ranks of one communicator
 on one GPU of one host), traffic through sockets on `lo`. After an `all_reduce` both join, rank 1 stops joining;
 2 s into rank 0's next `all_reduce` a thread calls `elastic.process_groups.abort_all()`. Rank 0 prints whether
-that collective returned or raised and when, whether the next one raised, how long destroying the group took,
-and how long a new group of one took to form and reduce in the same process.
+that collective returned or raised and when, how long the abort itself took, whether the next collective raised,
+how long destroying the group took, and how long a new group of one took to form and reduce in the same process.
 
     python bench/nccl_abort.py
 
@@ -62,6 +62,7 @@ def rank_main(rank: int, port: int) -> None:
     def abort() -> None:
         aborted_at.append(time.monotonic())
         process_groups.abort_all()
+        print(f"abort_all returned in {time.monotonic() - aborted_at[0]:.2f}s", flush=True)
 
     threading.Timer(ABORT_AFTER_S, abort).start()
     began = time.monotonic()
