@@ -234,6 +234,7 @@ class Agent:
                 reporting_hang=self.workers.reporting_hang(),
                 done=frozenset(done),
                 latest_step=latest_step,
+                stalled=self.workers.stall() is not None,
             )
             if action is None:
                 return
@@ -276,10 +277,13 @@ class Agent:
                 else:
                     self.store.report_done(run.round, run.revision, self.node_id)
                 run.reported = True  # written, or the round moved on and the report no longer matters
-            case rules.CheckController(holder=holder):
-                assert run is not None, "checked only after a failure in a round"
-                run.controller_checked = True
-                self.seat.check(holder)
+            case rules.CheckController(holder=holder, stalled=stalled):
+                assert run is not None, "checked only after a failure or in a stall, in a round"
+                if stalled:
+                    run.controller_checked_in_stall_at = time.monotonic()
+                else:
+                    run.controller_checked = True
+                self.seat.check(holder, stalled)
             case rules.FollowDrain(request=request):
                 assert run is not None, "drains belong to a round"
                 self.workers.follow_drain(run, request)

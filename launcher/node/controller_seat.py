@@ -1,5 +1,5 @@
 """The controller key, seen from one agent: claim it when it is free, run the controller while holding it, and
-depose a controller whose agent is certainly gone."""
+depose a controller whose agent is gone (certainly, or silent while this node's workers stall)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,12 @@ class ControllerSeat:
             self._claim_at = None
             self.claim(lease_id)
 
-    def check(self, encoded_holder: str) -> None:
-        """Our workers failed, maybe because the controller's node died with its workers: then nobody would act
-        on our report until its lease ended. Probe its agent; if it is certainly gone, depose it now."""
+    def check(self, encoded_holder: str, stalled: bool = False) -> None:
+        """Our workers failed, maybe because the controller's node died with its workers, or they are `stalled`,
+        maybe because it stopped: then nobody would act on our report until its lease ended. Probe its agent and
+        depose it now if it is certainly gone, or, in a stall, if it does not answer within probe_timeout (the
+        proof the controller asks of a stall's suspects; after a failure, an agent flooded by the probes of every
+        failed member answers late too, so only certainty counts)."""
         holder = Holder.decode(encoded_holder)
         timeout = self.config.rdzv.probe_timeout
         if holder.node == self.node_id or not timeout:
@@ -72,13 +75,14 @@ class ControllerSeat:
         if record is None or record.lease != holder.lease or not record.probe_port:
             return  # its registration already ended: the key goes with it
         miss = probe(record.addr, record.probe_port, record.lease, timeout)
-        if miss is None or not miss.certain:
+        if miss is None or not (miss.certain or stalled):
             return  # alive, or maybe only slow: its lease decides
-        if self.store.depose_controller(holder, miss.reason, self.node_id):
+        reason = miss.reason if miss.certain else f"{miss.reason}, while the workers of node {self.node_id} stall"
+        if self.store.depose_controller(holder, reason, self.node_id):
             logger.warning(
                 "the controller (node %s) is gone (%s): ended its lease so a standby takes over now",
                 holder.node,
-                miss.reason,
+                reason,
             )
 
     def stop(self) -> None:

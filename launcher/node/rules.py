@@ -16,6 +16,7 @@ Within a round (`next_action`), one action at a time, each kind at most once per
   group rank 0 and publish it) -> PollWorkers -> RefillWarmPool -> Acknowledge (the controller learns our workers
   started) -> Report (success or failure) -> CheckController (after our failure: is its agent alive?) ->
   FollowDrain -> FollowStall -> AnswerRollCall (not while our watchdog reports a hang: its report comes first) ->
+  CheckController (while our workers are stalled, if we watch the controller) ->
   RecordProgress (group rank 0 only: the workers' newest step into the membership log, the first one of every
   round at once and then at most every PROGRESS_EVERY_S, so the log grows by one event per job, not per node).
 
@@ -32,6 +33,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from launcher.rendezvous.protocol import Holder
 from launcher.rendezvous.records import (
     DrainRequest,
     JobStatus,
@@ -52,6 +54,11 @@ CLAIM_SPREAD_MAX_S = 1.0
 WARM_REFILL_AFTER_S = 0.2  # forks of the zygote: milliseconds of CPU, out of the way of the round's launch
 WARM_REFILL_RETRY_S = 0.5  # while the zygote still imports
 PROGRESS_EVERY_S = 10.0
+# The members of the lowest group ranks, less the controller's node, probe the controller's agent while their
+# workers are stalled: the controller probes every other suspect of a stall, but not itself. A few, not all, so
+# that a stall of thousands of nodes costs the controller's agent a few connections, not thousands.
+CONTROLLER_WATCHERS = 3
+CONTROLLER_STALL_CHECK_EVERY_S = 1.0  # as often as the controller probes the suspects of a stall
 
 
 class Phase(enum.Enum):
@@ -81,6 +88,7 @@ class RoundRun:
     outcome: Outcome | None = None  # how our workers ended (set in FINISHED)
     reported: bool = False  # the outcome is in etcd, or the round moved on and it no longer matters
     controller_checked: bool = False  # after our failure, we probed the controller's agent
+    controller_checked_in_stall_at: float | None = None  # when we last probed it while our workers were stalled
     answered_rollcall: str | None = None  # the nonce of the last roll call answered
     drain_asked: int = 0  # the drain our workers were asked for (0: none, or withdrawn)
     drain_answered: int = 0  # the drain our answer is in etcd for
@@ -233,6 +241,9 @@ class Report:
 @dataclass(frozen=True)
 class CheckController:
     holder: str  # the encoded controller key's value
+    # our workers are stalled, not failed: a probe that times out is as much proof as the controller asks of a
+    # stalled round's suspects, since a stopped controller would otherwise hold the job until its lease ends
+    stalled: bool = False
 
 
 @dataclass(frozen=True)
@@ -286,6 +297,7 @@ def next_action(
     reporting_hang: bool,
     done: frozenset[type],
     latest_step: int | None = None,
+    stalled: bool = False,
 ) -> RoundAction | None:
     """The next thing to do in this step, skipping the kinds of action in `done` (already applied this step)."""
     entering = enters_round(facts, run)
@@ -314,10 +326,30 @@ def next_action(
         rollcall = facts.rollcalls.get(run.round)
         if rollcall is not None and run.answered_rollcall != rollcall.nonce and not reporting_hang:
             candidates.append(AnswerRollCall(nonce=rollcall.nonce))
+        # after FollowStall: our report goes out first, so a live controller probes the suspects meanwhile
+        if stalled and facts.controller is not None and controller_check_due(run, facts.controller, now):
+            candidates.append(CheckController(holder=facts.controller, stalled=True))
     progress = progress_to_record(run, latest_step, now)
     if progress is not None:
         candidates.append(progress)
     return next((action for action in candidates if type(action) not in done), None)
+
+
+def watches_controller(member: Member, controller_node: str) -> bool:
+    """Whether `member` is one of the round's CONTROLLER_WATCHERS lowest group ranks, the controller's node not
+    counted among them (so 2 watch when it holds one of those ranks)."""
+    return member.node != controller_node and member.group_rank < CONTROLLER_WATCHERS
+
+
+def controller_check_due(run: RoundRun, holder: str, now: float) -> bool:
+    """Our workers are stalled: whether to probe the controller's agent now (a watcher's first probe of the round,
+    or CONTROLLER_STALL_CHECK_EVERY_S after its last)."""
+    if run.member is None or run.phase is not Phase.RUNNING:
+        return False
+    if not watches_controller(run.member, Holder.decode(holder).node):
+        return False
+    last = run.controller_checked_in_stall_at
+    return last is None or now - last >= CONTROLLER_STALL_CHECK_EVERY_S
 
 
 def progress_to_record(run: RoundRun, latest_step: int | None, now: float) -> RecordProgress | None:

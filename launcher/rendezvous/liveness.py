@@ -11,9 +11,13 @@ workers fail, the controller probes it (`launcher.rendezvous.decisions`, rule 6)
 A node that fails its probe is marked lost and its lease revoked, which fences it: an agent alive after all
 finds its lease gone, stops its workers and rejoins as a newcomer.
 
-The controller's own node can die too. An agent whose workers failed probes the controller's agent; if that is
-certainly gone (refused, or a newer agent answers: a timeout is no proof) it deposes it (`controller_lost`,
-its lease revoked), so a standby takes over at once instead of when the lease ends.
+The controller's own node can die or stop too. An agent whose workers failed probes the controller's agent; if
+that is certainly gone (refused, or a newer agent answers: a timeout is no proof, since every failed member
+probes it at once) it deposes it (`controller_lost`, its lease revoked), so a standby takes over at once instead
+of when the lease ends. A stopped controller fails nobody's workers, it stalls them: while theirs are stalled,
+the members of the lowest group ranks (`launcher.node.rules.watches_controller`, a few whatever the job's size)
+probe it, and depose it if it does not answer within `probe_timeout`, the proof the controller itself asks of
+a stall's suspects.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ def actions(
     started: bool = False,
     hang: bool = False,
     latest_step: int | None = None,
+    stalled: bool = False,
 ):
     """Every action of one step, in order, as the agent takes them when applying changes nothing; entering a round
     changes everything, so the step's table ends there."""
@@ -123,6 +124,7 @@ def actions(
             reporting_hang=hang,
             done=frozenset(done),
             latest_step=latest_step,
+            stalled=stalled,
         )
     ) is not None:
         done.add(type(action))
@@ -190,14 +192,14 @@ def actions(
         ),
         (
             "failed: report it and check the controller",
-            facts(controller="a:1"),
+            facts(controller="a#1"),
             run(Phase.FINISHED, acknowledged=True, outcome=FAILURE),
             {},
-            [Report(FAILURE), CheckController(holder="a:1"), FollowDrain(None), FollowStall()],
+            [Report(FAILURE), CheckController(holder="a#1"), FollowDrain(None), FollowStall()],
         ),
         (
             "failed, reported, controller checked",
-            facts(controller="a:1"),
+            facts(controller="a#1"),
             run(Phase.FINISHED, acknowledged=True, outcome=FAILURE, reported=True, controller_checked=True),
             {},
             [FollowDrain(None), FollowStall()],
@@ -296,3 +298,79 @@ def test_progress_is_recorded_by_group_rank_0_at_a_bounded_rate(case, run_, late
 def test_progress_is_the_last_action_of_a_step():
     taken = actions(facts(masters={3: MASTER}), run(Phase.RUNNING, MEMBER0, acknowledged=True), latest_step=5)
     assert taken == [PollWorkers(), FollowDrain(request=None), FollowStall(), RecordProgress(step=5)]
+
+
+MEMBER3 = Member(node="d", incarnation=4, group_rank=3, nproc=1, first_rank=3, addr="10.0.0.4")
+STALL_CHECK = CheckController(holder="a#1", stalled=True)
+
+
+@pytest.mark.parametrize(
+    "case, run_, stalled, controller, now, checks",
+    [
+        ("stalled, group rank 1, the controller on node a", run(Phase.RUNNING, acknowledged=True), True, "a#1", 0.0, True),
+        ("not stalled: nothing to ask", run(Phase.RUNNING, acknowledged=True), False, "a#1", 0.0, False),
+        ("no controller: a standby claims the key", run(Phase.RUNNING, acknowledged=True), True, None, 0.0, False),
+        (
+            "our own node holds the controller key",
+            run(Phase.RUNNING, acknowledged=True),
+            True,
+            "b#2",
+            0.0,
+            False,
+        ),
+        (
+            "group rank 3 does not watch: a stall of thousands of nodes costs a few probes",
+            run(Phase.RUNNING, MEMBER3, acknowledged=True),
+            True,
+            "a#1",
+            0.0,
+            False,
+        ),
+        (
+            "probed 0.9 s ago in this stall: not yet again",
+            run(Phase.RUNNING, acknowledged=True, controller_checked_in_stall_at=10.0),
+            True,
+            "a#1",
+            10.9,
+            False,
+        ),
+        (
+            "probed 1 s ago and still stalled: again, as the controller probes a stall's suspects",
+            run(Phase.RUNNING, acknowledged=True, controller_checked_in_stall_at=10.0),
+            True,
+            "a#1",
+            11.0,
+            True,
+        ),
+        ("workers still starting", run(Phase.STARTING), True, "a#1", 0.0, False),
+        ("a spare trains nothing", run(Phase.SPARE, member=None), True, "a#1", 0.0, False),
+    ],
+)
+def test_watchers_probe_the_controller_while_their_workers_stall(case, run_, stalled, controller, now, checks):
+    """A stopped controller fails nobody's workers and probes no suspect, itself least of all: the members of
+    the lowest group ranks probe it while their workers stall, since nobody else would until its lease ends."""
+    taken = actions(facts(controller=controller), run_, now=now, started=True, stalled=stalled)
+    assert (STALL_CHECK in taken) is checks, (case, taken)
+
+
+@pytest.mark.parametrize(
+    "member, controller_node, watches",
+    [
+        (MEMBER0, "z", True),
+        (MEMBER1, "z", True),
+        (Member(node="c", incarnation=3, group_rank=2, nproc=1, first_rank=2, addr="10.0.0.3"), "z", True),
+        (MEMBER3, "z", False),
+        (MEMBER0, "a", False),
+    ],
+)
+def test_the_lowest_group_ranks_watch_the_controller_but_its_own_node(member, controller_node, watches):
+    assert rules.watches_controller(member, controller_node) is watches
+
+
+def test_a_failure_checks_the_controller_once_and_not_again_for_the_stall():
+    """After our failure the check asks for certainty (every failed member probes at once); in the same step a
+    stall adds no second probe."""
+    taken = actions(
+        facts(controller="a#1"), run(Phase.FINISHED, acknowledged=True, outcome=FAILURE), started=True, stalled=True
+    )
+    assert [a for a in taken if isinstance(a, CheckController)] == [CheckController(holder="a#1")]
