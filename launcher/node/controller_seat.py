@@ -77,7 +77,7 @@ class ControllerSeat:
         miss = probe(record.addr, record.probe_port, record.lease, timeout)
         if miss is None or not (miss.certain or stalled):
             return  # alive, or maybe only slow: its lease decides
-        reason = miss.reason if miss.certain else f"{miss.reason}, while the workers of node {self.node_id} stall"
+        reason = miss.reason if miss.certain else f"{miss.reason}, while the workers of {self.node_id} stall"
         if self.store.depose_controller(holder, reason, self.node_id):
             logger.warning(
                 "the controller (node %s) is gone (%s): ended its lease so a standby takes over now",
