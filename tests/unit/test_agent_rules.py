@@ -307,7 +307,14 @@ STALL_CHECK = CheckController(holder="a#1", stalled=True)
 @pytest.mark.parametrize(
     "case, run_, stalled, controller, now, checks",
     [
-        ("stalled, group rank 1, the controller on node a", run(Phase.RUNNING, acknowledged=True), True, "a#1", 0.0, True),
+        (
+            "stalled, group rank 1, the controller on node a",
+            run(Phase.RUNNING, acknowledged=True),
+            True,
+            "a#1",
+            0.0,
+            True,
+        ),
         ("not stalled: nothing to ask", run(Phase.RUNNING, acknowledged=True), False, "a#1", 0.0, False),
         ("no controller: a standby claims the key", run(Phase.RUNNING, acknowledged=True), True, None, 0.0, False),
         (
