@@ -33,7 +33,9 @@ log each rank writes, for each system:
   pauses       every gap between two new committed steps longer than 5 x the fault-free median step (at least
                1 s), with the faults and joins that came in it;
   change_pauses  each fault's and join's own pause, however short: the longest gap between two new committed
-               steps that ended after it (and before the next change) and began within 6 s of it;
+               steps that ended after it (and before the next change) and began within 6 s of it (a kill, stop
+               or SIGTERM of the node that holds elastic-run's controller key is named so: "stop node0, the
+               controller's", since its peers, not the controller, find that node gone);
   changing_s   the chaos run's seconds in gaps between two new committed steps longer than 3 x the fault-free
                median step: the time its membership changes took, small ones included;
   median_step_s  the fault-free and the chaos run's median step: the rest of chaos_s (on one machine a joining
@@ -94,12 +96,15 @@ from recovery_bench import (  # noqa: E402
 )
 from training_recovery_bench import TINY_MODEL, TRAIN, completed_steps  # noqa: E402
 
+from launcher.etcd import client as etcd_client  # noqa: E402
 from launcher.etcd.server import EtcdServer, free_port  # noqa: E402
+from launcher.rendezvous.protocol import Holder, JobKeys  # noqa: E402
 from launcher.workers.process_tree import child_pids  # noqa: E402
 
 logger = logging.getLogger("chaos-bench")
 
 KINDS = ("kill", "stop", "crash", "hang", "term")
+NODE_KINDS = ("kill", "stop", "term")  # the node's agent is hit, not only one of its workers
 SYSTEMS = ("elastic-run", "torchft", "nvrx")
 STOPPED_UNTIL_KILL_S = 10.0
 # a change's own pause begins within this long of it: its detection (a lease, a stall, a hang) and its round
@@ -136,6 +141,10 @@ class System(Protocol):
 
     def registered(self, job: Job) -> dict[str, float]:
         """When each node registered with the job, where the system records it (a node's name -> unix time)."""
+        ...
+
+    def controller(self, job: Job) -> str | None:
+        """The node that leads the job's membership now, if one does (None: none does, or it cannot be told)."""
         ...
 
     def close(self) -> None: ...
@@ -227,6 +236,20 @@ class ElasticRun:
                     joined[event["node"]] = min(event["time"], joined.get(event["node"], event["time"]))
         return joined
 
+    def controller(self, job: Job) -> str | None:
+        # the holder of the controller key: a fault on its node is found by the watchers' probe, not the
+        # controller's own
+        assert job.etcd is not None, "asked only while the job runs"
+        client = etcd_client.connect(job.etcd.endpoint, timeout=1.0)
+        try:
+            raw, _ = client.get(JobKeys(job.rdzv_id).controller)
+        except Exception as exc:  # a label, not a measurement: the fault goes ahead unlabelled
+            logger.debug("could not read the controller key: %s", exc)
+            return None
+        finally:
+            etcd_client.close(client)
+        return Holder.decode(raw.decode()).node if raw else None
+
     def close(self) -> None:
         pass
 
@@ -251,6 +274,9 @@ class PeerJob:
 
     def registered(self, job: Job) -> dict[str, float]:
         return {}  # not recorded: a join counts from the node's start
+
+    def controller(self, job: Job) -> str | None:
+        return None  # torchft's Lighthouse and nvrx's c10d store are processes no fault is aimed at
 
     def close(self) -> None:
         pass
@@ -417,6 +443,7 @@ def _stream_of_faults(run: Run, args: argparse.Namespace) -> None:
 def _fault(run: Run, kind: str, node: int, stream: Stream, rejoin_after: float) -> bool:
     """Apply fault `kind` to `node`; False when it found nothing to fault (a node between rounds has no worker)."""
     agent = run.job.agents[node]
+    what = fault_label(kind, f"node{node}", run.system.controller(run.job) if kind in NODE_KINDS else None)
     now = time.time()
     if kind in ("crash", "hang"):
         workers = run.system.workers(run.job, agent.pid)
@@ -434,9 +461,15 @@ def _fault(run: Run, kind: str, node: int, stream: Stream, rejoin_after: float) 
             stream.joins.append((now + rejoin_after, run.slots[node]))
         else:
             stream.to_kill[node] = now + STOPPED_UNTIL_KILL_S
-    run.changes.append(Change(now, f"{kind} node{node}"))
-    logger.info("  %s node%d", kind, node)
+    run.changes.append(Change(now, what))
+    logger.info("  %s", what)
     return True
+
+
+def fault_label(kind: str, node: str, controller: str | None) -> str:
+    """A fault as the report names it: a node-wide fault on the controller's node says so, since that node's loss
+    is found by its peers, not by the controller."""
+    return f"{kind} {node}, the controller's" if node == controller else f"{kind} {node}"
 
 
 # -- what the step logs say ----------------------------------------------------------------------------------------

@@ -109,3 +109,16 @@ def test_a_join_just_before_a_fault_does_not_take_the_faults_pause() -> None:
     changes = [chaos_bench.Change(10.0, "node6 joins"), chaos_bench.Change(15.1, "kill node3")]
     pauses = chaos_bench.change_pauses(steps, changes, window_s=6.0)
     assert [(p["what"], p["s"]) for p in pauses] == [("node6 joins", 0.25), ("kill node3", 0.8)]
+
+
+@pytest.mark.parametrize(
+    "kind, node, controller, label",
+    [
+        ("stop", "node0", "node0", "stop node0, the controller's"),
+        ("stop", "node1", "node0", "stop node1"),
+        ("kill", "node2", None, "kill node2"),
+    ],
+)
+def test_a_fault_on_the_controllers_node_is_named_so(kind, node, controller, label) -> None:
+    assert chaos_bench.fault_label(kind, node, controller) == label
+    assert label.split()[0] == kind  # the faults by kind are counted from the first word
