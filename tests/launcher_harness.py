@@ -213,14 +213,3 @@ def membership_changes(log: list[dict]) -> list[dict]:
 
 def events(agent: Agent, name: str) -> list[dict]:
     return [e for e in agent.membership() if e["event"] == name]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

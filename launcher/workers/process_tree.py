@@ -156,6 +156,13 @@ def is_stopped(pid: int, by_tracer: bool = True) -> bool:
     return fields is not None and fields[0] in (("T", "t") if by_tracer else ("T",))
 
 
+def is_running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie: one whose parent died waits as a zombie until whoever adopted it
+    (init, a subreaper) reaps it, which on a busy host can take seconds."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
 def own_children(pid: int) -> list[int]:
     """The children of `pid` (its main thread's, from /proc: one file, no scan); [] if gone."""
     try:

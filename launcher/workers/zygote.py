@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import select
 import socket
 import subprocess
@@ -24,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.workers.process_tree import orphan_safe_command, stop_group
+from launcher.workers.process_tree import is_running, orphan_safe_command, stop_group
 from launcher.workers.warm_interpreter import MAX_MESSAGE_BYTES, ZYGOTE_FD_ENV
 
 logger = logging.getLogger(__name__)
@@ -95,7 +94,7 @@ class Zygote:
         with self._lock:
             if pid in self._exits:
                 return self._exits.pop(pid)
-        if not self.alive() and not os.path.exists(f"/proc/{pid}"):
+        if not self.alive() and not is_running(pid):
             return _GONE
         return None
 

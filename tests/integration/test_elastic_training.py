@@ -8,10 +8,10 @@ import signal
 import time
 
 import pytest
-from launcher_harness import FAST_RDZV, REPO, events, pid_alive
+from launcher_harness import FAST_RDZV, REPO, events
 
 from elastic.checkpoint.layout import scan
-from launcher.workers.process_tree import child_pids, descendant_pids
+from launcher.workers.process_tree import child_pids, descendant_pids, is_running
 
 pytestmark = pytest.mark.slow
 
@@ -191,7 +191,7 @@ def test_a_node_paused_past_the_probe_timeout_is_fenced_rejoins_and_nothing_comm
         (victim.node_id, "no answer to a liveness probe within probe_timeout=0.5s")
     ]
     assert lost[0]["time"] - crashed_at < 4, "before the lease could have ended"
-    cluster.wait_for(lambda: not any(pid_alive(p) for p in old_workers), 10, "the paused node's old workers to go")
+    cluster.wait_for(lambda: not any(is_running(p) for p in old_workers), 10, "the paused node's old workers to go")
     cluster.wait_for(lambda: any(r["round"] > fault_round for r in logged(samples)), 120, "a step after the fault")
     # what the old round committed, up to its end (rank 0 may have committed a save in flight after the pause)
     old_commits = sorted({*committed_before, *committed_steps(ckpt, rounds_up_to=fault_round)})

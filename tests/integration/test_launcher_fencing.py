@@ -7,9 +7,8 @@ import signal
 import time
 
 import pytest
-from launcher_harness import pid_alive
 
-from launcher.workers.process_tree import child_pids
+from launcher.workers.process_tree import child_pids, is_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -32,7 +31,7 @@ def test_a_node_stopped_past_its_lease_drops_its_old_workers_at_once_and_rejoins
     )
     os.kill(stopped.pid, signal.SIGCONT)
     resumed, resumed_at = time.monotonic(), time.time()
-    cluster.wait_for(lambda: not any(pid_alive(p) for p in old_workers), 5, "the stale workers to die")
+    cluster.wait_for(lambda: not any(is_running(p) for p in old_workers), 5, "the stale workers to die")
     stale_s = time.monotonic() - resumed
     assert stale_s < 2.5, "stale workers must go within about a second of the resume"
 
@@ -57,7 +56,7 @@ def test_workers_are_fenced_when_etcd_is_gone_for_most_of_the_lease_and_the_job_
     workers = child_pids(agent.pid)
     etcd.process.send_signal(signal.SIGSTOP)  # etcd answers nobody: this node cannot tell it is not alone
     try:
-        cluster.wait_for(lambda: not any(pid_alive(p) for p in workers), 10, "the workers to be fenced")
+        cluster.wait_for(lambda: not any(is_running(p) for p in workers), 10, "the workers to be fenced")
     finally:
         etcd.process.send_signal(signal.SIGCONT)
     assert "killing the workers before the job moves on without them" in agent.text()
@@ -98,7 +97,7 @@ def test_a_node_paused_past_the_probe_timeout_while_a_peer_fails_is_fenced_and_r
         (victim.node_id, "no answer to a liveness probe within probe_timeout=0.5s")
     ]
     assert lost[0]["time"] - crashed_at < 4, "before the lease could have ended"
-    cluster.wait_for(lambda: not any(pid_alive(p) for p in old_workers), 10, "the paused node's old workers to go")
+    cluster.wait_for(lambda: not any(is_running(p) for p in old_workers), 10, "the paused node's old workers to go")
     cluster.wait_for_world(3, timeout=60, after=time.time())  # it rejoined; a scale-up round took it back
     cluster.stop_training()
     rejoined = [e for e in cluster.events("node_joined") if e["node"] == victim.node_id]
@@ -118,4 +117,4 @@ def test_an_agent_whose_etcd_never_comes_back_gives_up_after_join_timeout(cluste
     assert agent.wait(timeout=30) == 1, cluster.dump()
     assert time.monotonic() - killed_at < 2 + 3 + 5, "the lease (2 s) plus join_timeout (3 s), and little more"
     assert "has not answered for" in agent.text() and "giving up" in agent.text()
-    assert not any(pid_alive(p) for p in workers)
+    assert not any(is_running(p) for p in workers)

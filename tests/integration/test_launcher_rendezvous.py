@@ -14,12 +14,13 @@ import subprocess
 import time
 
 import pytest
-from launcher_harness import FAST_RDZV, REPO, elastic_run_command, events, membership_changes, pid_alive
+from launcher_harness import FAST_RDZV, REPO, elastic_run_command, events, membership_changes
 
 from launcher.etcd import client as etcd_client
 from launcher.rendezvous.protocol import JobKeys, JobStore
 from launcher.rendezvous.records import NodeRecord, RoundHeader
 from launcher.workers.process_tree import child_pids as children
+from launcher.workers.process_tree import is_running
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +83,7 @@ def test_revoked_lease_reregisters_under_the_same_node_id_in_a_new_round(cluster
 
         new = cluster.wait_for(registered_again, 15, f"{victim} to register again under a new lease")
         assert (new.node, new.pid) == (victim, agents[victim].pid), "the same agent, not a new one"
-        cluster.wait_for(lambda: not any(pid_alive(p) for p in old_workers), 15, "the revoked node's workers to stop")
+        cluster.wait_for(lambda: not any(is_running(p) for p in old_workers), 15, "the revoked node's workers to stop")
         cluster.wait_for(
             lambda: [c for c in cluster.collectives() if c["round"] >= 1 and c["world_size"] == 2],
             60,
@@ -182,7 +183,7 @@ def test_sigterm_waits_for_slow_workers_and_leaves_without_a_loss(cluster, tmp_p
         sent_at = time.time()
         os.kill(leaving.pid, signal.SIGTERM)
         assert leaving.wait(timeout=30) == 128 + signal.SIGTERM, cluster.dump()
-        assert not any(pid_alive(p) for p in workers)
+        assert not any(is_running(p) for p in workers)
         cluster.wait_for(lambda: collective_in(2, after=sent_at), 60, "a collective in a world of 2")
         for other in agents.values():
             if other is not leaving:

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher_harness import FAST_RDZV, REPO, Cluster, elastic_run_command, events, membership_changes, pid_alive
+from launcher_harness import FAST_RDZV, REPO, Cluster, elastic_run_command, events, membership_changes
 
 from launcher.etcd.server import free_port
 from launcher.workers.process_tree import child_pids as children
+from launcher.workers.process_tree import is_running
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +124,7 @@ def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
 
     killed_at = time.time()
     os.kill(victim.pid, signal.SIGKILL)
-    cluster.wait_for(lambda: not any(pid_alive(p) for p in victim_workers), 10, "the dead node's workers to die")
+    cluster.wait_for(lambda: not any(is_running(p) for p in victim_workers), 10, "the dead node's workers to die")
     again = cluster.wait_for_world(4, timeout=60, after=killed_at)
     cluster.stop_training()
     for agent in agents.values():
@@ -259,7 +260,7 @@ def test_sigterm_to_an_agent_stops_its_workers_and_leaves_at_once(cluster):
 
     os.kill(leaving.pid, signal.SIGTERM)
     assert leaving.wait(timeout=20) == 128 + signal.SIGTERM
-    assert not any(pid_alive(p) for p in workers)
+    assert not any(is_running(p) for p in workers)
     cluster.wait_for_world(2, timeout=60)
     cluster.wait_for(lambda: cluster.events("node_left"), 10, "node_left in the log")
     assert [e["node"] for e in cluster.events("node_left")] == ["c"]

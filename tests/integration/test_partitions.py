@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from netns_harness import PartitionNetwork, unavailable_reason
 
+from launcher.workers.process_tree import is_running
+
 REPO = Path(__file__).resolve().parents[2]
 PROBE = REPO / "examples" / "collective_probe.py"
 # lease TTL 2 s (0.5 s x 3, rounded up): an agent that etcd has not answered for 1.75 s fences itself
@@ -254,14 +256,6 @@ class Job:
         return "\n".join(parts)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie is dead for our purposes
-
-
 def rounds(events: list[dict]) -> list[tuple[int, int, str, int]]:
     """(round, world size, reason, restart count) of every round_started."""
     return [
@@ -298,7 +292,7 @@ def _cut_and_heal(make_network, tmp_path, case: str, cut, heal, choose) -> None:
     recovered_s = again["time"] - cut_at
     # fenced while still cut off: the message, and its old workers gone before the others trained without it
     job.wait_for(lambda: FENCE_TEXT in job.output(victim), 5, f"node{victim} fencing itself")
-    alive = sorted(pid for pid in old_pids if pid_alive(pid))
+    alive = sorted(pid for pid in old_pids if is_running(pid))
     assert not alive, f"node{victim}'s round-0 workers {alive} still run after the job moved on\n{job.dump()}"
     assert not job.first_collective(2, cut_at, {victim}), "the cut node trained in the survivors' world"
 

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher_harness import REPO, pid_alive
+from launcher_harness import REPO
 
-from launcher.workers.process_tree import child_pids, descendant_pids, stop_group, supervised_command
+from launcher.workers.process_tree import child_pids, descendant_pids, is_running, stop_group, supervised_command
 
 SPAWNER = REPO / "tests" / "workers" / "spawner.py"
 
@@ -32,7 +32,7 @@ def sleeps_of(marker: str) -> list[int]:
             arguments = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if arguments[:2] == [b"sleep", marker.encode()] and pid_alive(int(cmdline.parent.name)):
+        if arguments[:2] == [b"sleep", marker.encode()] and is_running(int(cmdline.parent.name)):
             found.append(int(cmdline.parent.name))
     return found
 
@@ -159,7 +159,9 @@ def test_parent_sigkill_takes_the_whole_tree(marker, tmp_path):
         parent.wait(timeout=10)
         # SIGKILL is delivered at once but a process takes a moment to exit: a small sleep can be gone before
         # the larger worker that was killed first
-        wait_until(lambda: not sleeps_of(marker) and not pid_alive(worker["pid"]), 5, "the tree to die with the parent")
+        wait_until(
+            lambda: not sleeps_of(marker) and not is_running(worker["pid"]), 5, "the tree to die with the parent"
+        )
     finally:
         kill_group(parent)
 
@@ -216,7 +218,7 @@ def test_sigkilled_agent_takes_every_descendant_of_its_workers(cluster, marker, 
     agent.wait(timeout=10)
     # the workers were killed before their sleeps, but a larger process can take longer to exit
     cluster.wait_for(
-        lambda: not sleeps_of(marker) and not any(pid_alive(w["pid"]) for w in workers.values()),
+        lambda: not sleeps_of(marker) and not any(is_running(w["pid"]) for w in workers.values()),
         5,
         "no worker or sleep left",
     )
@@ -235,7 +237,7 @@ def test_sigterm_to_the_agent_stops_every_descendant_of_its_workers(cluster, mar
     os.kill(agent.pid, signal.SIGTERM)
     assert agent.wait(timeout=30) == 128 + signal.SIGTERM, cluster.dump()
     assert not sleeps_of(marker), "stopped with the workers, before the agent exits"
-    assert not any(pid_alive(w["pid"]) for w in workers.values())
+    assert not any(is_running(w["pid"]) for w in workers.values())
 
 
 @pytest.mark.slow
@@ -249,3 +251,19 @@ def test_worker_exit_code_is_reported_and_its_descendants_die(cluster, marker, t
     failed = [e for e in agent.membership() if e["event"] == "worker_failed"]
     assert [(e["local_rank"], e["exit_code"]) for e in failed] == [(0, 3)]
     assert not sleeps_of(marker)
+
+
+def test_a_zombie_is_not_running():
+    """A process whose parent has not reaped it yet still has its /proc entry: the zygote's supervisors, adopted
+    by init when the zygote dies, wait so until init reaps them, and a pool waiting on one to be gone timed out
+    (10 s) in one CI run."""
+    child = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + 10
+        while is_running(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not is_running(child.pid) and Path(f"/proc/{child.pid}").exists(), "exited, not yet reaped"
+    finally:
+        child.wait()
+    assert not is_running(child.pid)
+    assert is_running(os.getpid())
