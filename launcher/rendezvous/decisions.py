@@ -395,8 +395,8 @@ def _running_round(view: JobView, round_: RoundRecord, clock: Clock, now: float,
 
 
 def _lost_members(view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings) -> Decision | None:
-    """Rule 4: members whose incarnation is gone are marked lost, then a round forms without them, or the job
-    fails once fewer than MIN nodes were left for join_timeout."""
+    """Rule 4: members whose incarnation is gone are marked lost, then a round forms without them (after a leave,
+    once the others drained), or the job fails once fewer than MIN nodes were left for join_timeout."""
     gone = [m for m in round_.members if not _alive(view, m)]
     if not gone:
         return None
@@ -412,6 +412,15 @@ def _lost_members(view: JobView, round_: RoundRecord, clock: Clock, now: float, 
     eligible = _eligible(view, wall)
     left = [m.node for m in gone if _leaving(view, m.node, m.incarnation)]
     reason = RoundReason.NODE_LEFT if len(left) == len(gone) else RoundReason.NODE_LOST
+    if reason is RoundReason.NODE_LEFT and round_.round in view.drains and not reports.failed:
+        # a leaver goes once its own workers drained, and can be gone before its peers' answers are in: their
+        # workers drain at the same step, so wait for the answers (as a scale-up does) up to drain_timeout, or
+        # until a failure says they will not come
+        answers = _drain_answers(view)
+        draining = [m.node for m in round_.members if m not in gone and m.node not in answers]
+        deadline = _set(clock.drain_since) + settings.drain_timeout
+        if draining and now < deadline:
+            return Wait(until=deadline, why=f"{', '.join(draining)} draining")
     if len(eligible) >= settings.min_nodes:
         return _form(view, eligible, reason, round_.restart_count, settings, wall, handled_left=left)
     deadline = _set(clock.short_since) + settings.join_timeout

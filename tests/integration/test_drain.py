@@ -94,7 +94,7 @@ def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster,
     rounds = assert_nothing_redone(tmp_path, steps, cluster)
     assert [e["reason"] for e in cluster.events("drain_requested")] == ["node_left"]
     drained = cluster.events("drain_committed")
-    assert len(drained) == 1 and drained[0]["step"] == max(rounds[0])
+    assert len(drained) == 1 and drained[0]["step"] == max(rounds[0]), f"{cluster.log()}\n{cluster.dump()}"
     assert [e["node"] for e in cluster.events("node_left")] == ["c"] and not cluster.events("node_lost")
     last = cluster.events("round_started")[-1]
     assert (last["reason"], last["world_size"]) == ("node_left", 2)

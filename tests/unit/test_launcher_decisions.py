@@ -392,6 +392,30 @@ def test_a_leaving_member_holds_the_round_until_it_is_gone_and_its_peers_failure
     assert [m.node for m in decision.members] == ["a", "c"] and decision.handled_left == ["b"]
 
 
+def test_a_leaver_gone_before_its_peers_answered_the_drain_waits_for_their_answers():
+    """The leaving agent goes once its own workers drained; its peers' workers drain at the same step, but their
+    answers can reach etcd after it is gone (a loaded CI host). Formed then, the round logged drain_timed_out
+    for a drain that committed."""
+    job = view("a", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"})
+    job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
+    job.drains[0] = DrainRequest(round=0, number=7, reason="node_left")
+    job.reports[0].drained = {"b": DrainReport(number=7, step=6), "a": DrainReport(number=7, step=6)}
+    assert at(job, T0, T0 + 1, DRAINING) == Wait(until=T0 + 60, why="c draining")
+    job.reports[0].drained["c"] = DrainReport(number=7, step=6)
+    formed = at(job, T0, T0 + 1, DRAINING)
+    assert (type(formed), formed.reason, formed.drain.committed, formed.drain.step) == (
+        FormRound,
+        RoundReason.NODE_LEFT,
+        True,
+        6,
+    )
+    del job.reports[0].drained["c"]
+    late = at(job, T0, T0 + 60, DRAINING)
+    assert (type(late), late.drain.committed) == (FormRound, False), "drain_timeout passed: it goes ahead"
+    job.reports[0].failed = {"c": failure("c")}
+    assert type(at(job, T0, T0 + 1, DRAINING)) is FormRound, "c failed instead of draining: nothing to wait for"
+
+
 def test_a_member_that_never_finishes_leaving_is_evicted():
     job = view("a", "b", round_of=("a", "b"), acked={"a", "b"})
     job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
