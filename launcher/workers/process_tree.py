@@ -141,6 +141,9 @@ def stop_group(processes: list[WorkerProcess], grace_s: float, first_signal: int
 # -- /proc ---------------------------------------------------------------------------------------------------
 
 
+_EXITED = ("Z", "X")  # /proc states of a process that exited: a zombie not yet reaped, or dead
+
+
 def _stat_fields(pid: int | str) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name: [state, ppid, pgrp, session, ...]; None if gone."""
     try:
@@ -160,7 +163,7 @@ def is_running(pid: int) -> bool:
     """Whether `pid` exists and is not a zombie: one whose parent died waits as a zombie until whoever adopted it
     (init, a subreaper) reaps it, which on a busy host can take seconds."""
     fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    return fields is not None and fields[0] not in _EXITED
 
 
 def own_children(pid: int) -> list[int]:
@@ -179,7 +182,7 @@ def _living_processes(zombies: bool = False) -> dict[int, list[str]]:
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             fields = _stat_fields(entry.name)
-            if fields is not None and (zombies or fields[0] not in ("Z", "X")):
+            if fields is not None and (zombies or fields[0] not in _EXITED):
                 found[int(entry.name)] = fields
     return found
 
