@@ -6,6 +6,7 @@ and `Cluster.close` kills whatever is left, stopped or not, even when the test f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -213,3 +214,11 @@ def membership_changes(log: list[dict]) -> list[dict]:
 
 def events(agent: Agent, name: str) -> list[dict]:
     return [e for e in agent.membership() if e["event"] == name]
+
+
+def resume(pids: list[int]) -> None:
+    """SIGCONT each of `pids`, paused by a test. One that ended meanwhile is skipped: a process already on its way
+    out when it was paused (a round's store closing, say) exits even while stopped."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)

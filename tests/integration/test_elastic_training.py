@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from launcher_harness import FAST_RDZV, REPO, events
+from launcher_harness import FAST_RDZV, REPO, events, resume
 
 from elastic.checkpoint.layout import scan
 from launcher.workers.process_tree import child_pids, descendant_pids, is_running
@@ -184,8 +184,7 @@ def test_a_node_paused_past_the_probe_timeout_is_fenced_rejoins_and_nothing_comm
             f"a round without {victim.node_id}",
         )
     finally:
-        for pid in paused:
-            os.kill(pid, signal.SIGCONT)
+        resume(paused)
     assert old_workers and committed_before and committed_before[-1] >= ckpt_every
     assert [(e["node"], e["reason"]) for e in lost] == [
         (victim.node_id, "no answer to a liveness probe within probe_timeout=0.5s")

@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+from launcher_harness import resume
 
 from launcher.workers.process_tree import child_pids, is_running
 
@@ -91,8 +92,7 @@ def test_a_node_paused_past_the_probe_timeout_while_a_peer_fails_is_fenced_and_r
         lost = cluster.wait_for(lambda: cluster.events("node_lost"), 10, f"{victim.node_id} lost on its probe")
     finally:
         time.sleep(max(0.0, crashed_at + 2 - time.time()))
-        for pid in paused:
-            os.kill(pid, signal.SIGCONT)
+        resume(paused)
     assert [(e["node"], e["reason"]) for e in lost] == [
         (victim.node_id, "no answer to a liveness probe within probe_timeout=0.5s")
     ]
