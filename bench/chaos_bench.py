@@ -27,6 +27,7 @@ a spare takes the gone node's place in the same round and the new one waits as a
 log each rank writes, for each system:
 
   goodput      samples trained per second from the first committed step to the last, over the fault-free run's
+               (with --bracket, over the mean of two fault-free runs', one before the chaos run and one after)
                (for elastic-run and ft_launcher, which re-split the global batch over the ranks left, that is new
                steps per second: step_goodput; a torchft step trains only the shares of the replica groups in its
                quorum); a chaos run that --deadline cuts short is measured up to its last step;
@@ -550,13 +551,20 @@ def change_pauses(steps: list[tuple[float, int, int]], changes: list[Change], wi
     return found
 
 
-def compare(free: Run, chaos: Run) -> dict:
+def fault_free_rate(runs: list[tuple[Run, list[tuple[float, int, int]]]], batch_follows_world: bool) -> float:
+    """The baseline's batches per second: the mean of the fault-free runs' (one before the chaos run, and with
+    --bracket one after it, which cancels a machine's drift between them)."""
+    return statistics.mean(batches_per_second(run, steps, batch_follows_world) for run, steps in runs)
+
+
+def compare(free: Run, chaos: Run, free_after: Run | None = None) -> dict:
     free_records, chaos_records = free.records(), chaos.records()
     free_steps, chaos_steps = progress(free_records), progress(chaos_records)
+    frees = [(free, free_steps)] + ([(free_after, progress(free_after.records()))] if free_after else [])
     free_s = free_steps[-1][0] - free_steps[0][0]
     chaos_s = (chaos.cut_at or chaos_steps[-1][0]) - chaos_steps[0][0]
     follows = chaos.system.batch_follows_world
-    median = statistics.median(b[0] - a[0] for a, b in zip(free_steps, free_steps[1:]))
+    median = statistics.median(b[0] - a[0] for _, steps in frees for a, b in zip(steps, steps[1:]))
     long_gap = max(1.0, 5 * median)
     chaos_gaps = [b[0] - a[0] for a, b in zip(chaos_steps, chaos_steps[1:])]
     pauses: list[dict[str, Any]] = []
@@ -571,13 +579,10 @@ def compare(free: Run, chaos: Run) -> dict:
         "system": chaos.system.name,
         # samples trained per second against the fault-free run's: with torchft a smaller quorum's steps train
         # less and, on 2 oversubscribed cores, run faster, so its steps per second would flatter it
-        "goodput": round(
-            batches_per_second(chaos, chaos_steps, follows) / batches_per_second(free, free_steps, follows), 3
-        ),
-        "step_goodput": round(
-            batches_per_second(chaos, chaos_steps, False) / batches_per_second(free, free_steps, False), 3
-        ),
+        "goodput": round(batches_per_second(chaos, chaos_steps, follows) / fault_free_rate(frees, follows), 3),
+        "step_goodput": round(batches_per_second(chaos, chaos_steps, False) / fault_free_rate(frees, False), 3),
         "fault_free_s": round(free_s, 1),
+        **({"fault_free_after_s": round(frees[1][1][-1][0] - frees[1][1][0][0], 1)} if free_after else {}),
         "chaos_s": round(chaos_s, 1),
         "faults": {kind: faults.count(kind) for kind in KINDS if kind in faults},
         "joins": sum(c.what.endswith("joins") for c in chaos.changes),
@@ -634,6 +639,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--watchdog-min", type=float, default=3.0, help="elastic-run's --watchdog-min (default 3)")
     parser.add_argument("--deadline", type=float, default=900.0, help="seconds allowed per run (default 900)")
     parser.add_argument("--keep-logs", action="store_true", help="keep every run's directory")
+    parser.add_argument(
+        "--bracket",
+        action="store_true",
+        help="run the fault-free job again after the chaos run, and measure against both (a machine's speed "
+        "drifts: two fault-free runs in a row here differed by 5 %%)",
+    )
     args = parser.parse_args(argv)
     args.kinds = [kind.strip() for kind in args.kinds.split(",") if kind.strip()]
     unknown = sorted(set(args.kinds) - set(KINDS))
@@ -667,7 +678,8 @@ def print_report(results: list[dict]) -> None:
     rows = [[*header, "world"]]
     for r in results:
         faults = " ".join(f"{kind}:{count}" for kind, count in r["faults"].items())
-        cells = [r["goodput"], r["step_goodput"], r["fault_free_s"], r["chaos_s"], faults, r["joins"], r["redone"]]
+        free_s = " / ".join(str(r[key]) for key in ("fault_free_s", "fault_free_after_s") if key in r)
+        cells = [r["goodput"], r["step_goodput"], free_s, r["chaos_s"], faults, r["joins"], r["redone"]]
         rows.append([r["system"], *(str(cell) for cell in [*cells, r["dropped"], r["world"]])])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print()
@@ -703,7 +715,11 @@ def main(argv: list[str] | None = None) -> int:
             free = run_job(make_system(name, args), root / name / "fault-free", args, chaos=False)
             logger.info("%s: chaos run, a fault every %.0f s (%s)", name, args.fault_every, ",".join(args.kinds))
             chaos = run_job(make_system(name, args), root / name / "chaos", args, chaos=True)
-            results.append(dict(compare(free, chaos), spares=args.spares if name == ElasticRun.name else 0))
+            after = None
+            if args.bracket:
+                logger.info("%s: fault-free run after the chaos run", name)
+                after = run_job(make_system(name, args), root / name / "fault-free-after", args, chaos=False)
+            results.append(dict(compare(free, chaos, after), spares=args.spares if name == ElasticRun.name else 0))
             print(json.dumps(results[-1]), flush=True)
     finally:
         if args.keep_logs:

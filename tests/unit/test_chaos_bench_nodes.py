@@ -1,6 +1,6 @@
 """bench/chaos_bench.py's elastic-run nodes: on CUDA, NCCL on each node with a host id of its own (so that the
 simulated nodes of one machine can share its GPUs); --no-inprocess passed through to elastic-run; a join counted
-when the node registered."""
+when the node registered; the fault-free baseline bracketing the chaos run."""
 
 from __future__ import annotations
 
@@ -122,3 +122,12 @@ def test_a_join_just_before_a_fault_does_not_take_the_faults_pause() -> None:
 def test_a_fault_on_the_controllers_node_is_named_so(kind, node, controller, label) -> None:
     assert chaos_bench.fault_label(kind, node, controller) == label
     assert label.split()[0] == kind  # the faults by kind are counted from the first word
+
+
+def test_the_bracketed_baseline_is_the_mean_of_the_fault_free_runs_rates() -> None:
+    """A machine that slowed from 4 to 3.2 steps per second between the runs before and after the chaos run:
+    the baseline is 3.6, not the first run's 4, which would charge the drift to the chaos run."""
+    before = (SimpleNamespace(cut_at=None), steps_every(0.25, 20.0, {}))
+    after = (SimpleNamespace(cut_at=None), steps_every(0.3125, 25.0, {}))
+    assert chaos_bench.fault_free_rate([before], False) == pytest.approx(4.0)
+    assert chaos_bench.fault_free_rate([before, after], False) == pytest.approx(3.6)
