@@ -27,7 +27,7 @@ the worker at once, as without `run`. The agent kills a worker that has not re-e
 --inprocess-timeout and starts its rank anew; a crashed or hung worker is always replaced by a new process.
 One wait no abort ends is known: a send gloo queued behind a peer that stopped reading
 (`tests/integration/test_gloo_abort.py`). A worker whose main thread still sits there `STUCK_AFTER_S` after
-the offer (inside torch.distributed, at one instruction, in a futex wait) dumps its stacks and exits with
+its abort (inside torch.distributed, at one instruction, in a futex wait) dumps its stacks and exits with
 `UNWIND_STUCK_EXIT`, and its agent starts the rank anew in the same round, without waiting out the timeout.
 
 A node that joins a job already training starts its workers before it registers, in standby
@@ -62,9 +62,11 @@ logger = logging.getLogger(__name__)
 ROUND_FD_ENV = "ELASTIC_ROUND_FD"  # the worker's end of its round socket
 ROUND_WAIT_ENV = "ELASTIC_ROUND_WAIT"  # seconds a worker whose collective failed waits for the next round
 STANDBY_ENV = "ELASTIC_STANDBY"  # set: started before its first round, which comes over the round socket
-# a collective the abort ends has raised long before this; one still waiting then waits on what no abort ends
-STUCK_AFTER_S = 2.0
-STUCK_LOOKS = 5  # over one more second: the main thread sat at the same instruction, in a futex wait, each time
+# a collective the abort ends has raised long before this (main re-entered within 0.10 s of the offer in 64 of 64
+# re-entries of two CPU chaos runs; the clock starts once the abort returned, after NCCL's 0.5 s); one still
+# waiting then waits on what no abort ends, and each second spent finding that out holds the whole job
+STUCK_AFTER_S = 0.5
+STUCK_LOOKS = 3  # over half a second more: the main thread sat at the same instruction, in a futex wait, each time
 UNWIND_STUCK_EXIT = 75  # the worker could not unwind and left for its agent to start its rank anew (EX_TEMPFAIL)
 READY_MESSAGE = b'{"ready": true}'  # a standby worker's word to its agent: it reached `run`
 MAX_OFFER_BYTES = 4 << 20
@@ -147,7 +149,8 @@ class RoundLink:
 
     def _follow_unwinding(self, offer: Offer) -> None:
         """Leave at once (`UNWIND_STUCK_EXIT`) if the main thread is still blocked where the abort cannot reach,
-        `STUCK_AFTER_S` after `offer`; otherwise the agent's --inprocess-timeout stays the judge."""
+        `STUCK_AFTER_S` after the abort for `offer` returned; otherwise the agent's --inprocess-timeout stays the
+        judge."""
         with self._arrived:
             if self._arrived.wait_for(lambda: self._offer is not offer, STUCK_AFTER_S):
                 return  # main took it (or a newer round's offer replaced it, followed on its own)
