@@ -55,7 +55,8 @@ def committed_history(sample_log) -> dict[int, list[dict]]:
 @pytest.mark.parametrize(("memory_every", "ckpt_every"), [(0, 8), (1, 50)], ids=["disk only", "memory every step"])
 def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path, memory_every, ckpt_every):
     """Disk only: commits at steps 8, 16, 24, so a kill at step 10 leaves uncommitted steps to redo (unless 6 more
-    steps run between seeing step 10 and the kill, which the 0.2 s poll does not allow). With a snapshot in memory
+    steps run between seeing step 10 and the kill: 5 did in one run under cluster.wait_for's 0.2 s poll, so this
+    one polls every 0.02 s). With a snapshot in memory
     every step and no disk commit after step 0, the survivors load the newest snapshot (the lost node's part from
     its copy on a survivor) and redo at most the step the kill interrupted."""
     samples = tmp_path / "samples.jsonl"
@@ -67,7 +68,10 @@ def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path
         cluster.start(n, args, nnodes="2:3", nproc=1, rdzv_conf=all_three, script=REPO / "examples" / "train.py")
         for n in "abc"
     ]
-    cluster.wait_for(lambda: samples.is_file() and '"step": 10,' in samples.read_text(), 120, "step 10 at 3 ranks")
+    deadline = time.monotonic() + 120
+    while not (samples.is_file() and '"step": 10,' in samples.read_text()):
+        assert time.monotonic() < deadline, "timed out waiting for step 10 at 3 ranks\n" + cluster.dump()
+        time.sleep(0.02)
     killed_at = time.time()
     os.kill(agents[2].pid, signal.SIGKILL)
     for agent in agents[:2]:
