@@ -9,6 +9,7 @@ watchdog: a no-op under torchrun, and a local no-op where the elastic library is
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,9 +21,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 try:
-    from elastic import heartbeat
+    from elastic import heartbeat, long_operation
     from elastic import run as run_in_rounds
 except ImportError:  # run standalone, without the elastic library: nothing watches progress
+    from contextlib import nullcontext as long_operation  # type: ignore[assignment]
 
     def heartbeat(step: int | None = None) -> None:
         pass
@@ -47,6 +49,11 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="run under elastic.run: a new round that keeps this worker's node re-enters main in this process",
     )
+    parser.add_argument(
+        "--long-operation",
+        default=None,
+        help="run each step's collective inside elastic.long_operation(NAME), as a checkpoint save's are",
+    )
     parser.add_argument("--fail-rank", type=int, default=None, help="this rank raises at --fail-step ...")
     parser.add_argument("--fail-step", type=int, default=3)
     parser.add_argument("--fail-restarts", type=int, default=1, help="... while TORCHELASTIC_RESTART_COUNT < this")
@@ -67,7 +74,8 @@ def main() -> None:
             raise RuntimeError(f"injected failure at step {step} on rank {rank} (restart {restarts})")
         stop_seen = bool(args.stop_file) and os.path.exists(args.stop_file)
         value = torch.tensor([rank + 1.0, float(stop_seen)])
-        dist.all_reduce(value)  # the second element: whether any rank saw the stop file, so all stop together
+        with long_operation(args.long_operation) if args.long_operation else contextlib.nullcontext():
+            dist.all_reduce(value)  # the second element: whether any rank saw the stop file, so all stop together
         if value[0].item() != world_size * (world_size + 1) / 2:
             raise RuntimeError(f"all_reduce gave {value[0].item()} in a world of {world_size}")
         if log:

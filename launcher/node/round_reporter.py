@@ -55,11 +55,12 @@ class RoundReporter:
         report = StallReport(seconds_silent=stall.seconds_silent, last_step=stall.last_step)
         if self.store.report_stalled(self.round, self.revision, self.node_id, report):
             logger.warning(
-                "round %d: every worker has been silent for %.1fs after step %s, as if a peer stopped; "
+                "round %d: every worker has been silent for %.1fs after step %s%s, as if a peer stopped; "
                 "asked the controller to probe the other members",
                 self.round,
                 stall.seconds_silent,
                 stall.last_step,
+                f", idle inside long operation {stall.long_op!r}" if stall.long_op else "",
             )
 
     def _write_progress(self, step: int) -> None:

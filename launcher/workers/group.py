@@ -362,13 +362,13 @@ class WorkerGroup:
 
     def why_no_drain(self) -> str | None:
         """What shows that the workers cannot drain (None: nothing does): one of them is stopped, or every one
-        is silent past several of its step intervals outside a long operation (a drain's save is one), so none
-        will reach the next step boundary."""
+        is silent past several of its step intervals outside a long operation (a drain's save is one, and may wait
+        on slow storage), so none will reach the next step boundary."""
         stopped = self.watchdog.stopped(self.processes)
         if stopped:
             return f"worker local_rank {stopped[0]} is stopped"
         stall = self.watchdog.stall
-        if stall is not None:
+        if stall is not None and stall.long_op is None:
             return f"every worker has been silent for {stall.seconds_silent:.1f}s, several of its step intervals"
         return None
 

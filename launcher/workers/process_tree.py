@@ -159,6 +159,14 @@ def is_stopped(pid: int, by_tracer: bool = True) -> bool:
     return fields is not None and fields[0] in (("T", "t") if by_tracer else ("T",))
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time `pid` used so far, user and system, all its threads together (None: gone)."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def is_running(pid: int) -> bool:
     """Whether `pid` exists and is not a zombie: one whose parent died waits as a zombie until whoever adopted it
     (init, a subreaper) reaps it, which on a busy host can take seconds."""

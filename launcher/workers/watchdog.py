@@ -32,7 +32,7 @@ from pathlib import Path
 
 from elastic import channel
 from launcher.workers import failure_evidence
-from launcher.workers.process_tree import WorkerProcess, is_stopped, own_children, signal_group
+from launcher.workers.process_tree import WorkerProcess, cpu_seconds, is_stopped, own_children, signal_group
 from launcher.workers.watchdog_rules import STALL_MIN_S, Hang, Policy, Stall, StartupHistory, WorkerWatch, stall_of
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ class _Worker:
     started: bool = False  # its first heartbeat was seen
     paths_checked_at: float = -math.inf  # when its connects were last looked at while it starts
     spared: bool = False  # found hung, left alive: it runs under elastic.run and takes the next round in process
+    # (seq, the pid read, its CPU seconds) when that seq was first seen: what a silence inside a long operation used
+    cpu_mark: tuple[int, int, float | None] | None = None
 
 
 class Watchdog:
@@ -130,7 +132,12 @@ class Watchdog:
                 signal_group(process, signal.SIGKILL)
         running = all(process.poll() is None for process in processes) and len(processes) == len(self.workers)
         if running and not any(worker.hang for worker in self.workers):
-            self.stall = stall_of([(w.watch.silent_for(now), w.watch.current()) for w in self.workers])
+            self.stall = stall_of(
+                [
+                    (w.watch.silent_for(now), w.watch.current(), self._cpu_used(w, p))
+                    for w, p in zip(self.workers, processes)
+                ]
+            )
 
     def stopped(self, processes: list[WorkerProcess]) -> list[int]:
         """The local ranks of the running workers whose process is stopped (SIGSTOP): they answer nothing."""
@@ -187,6 +194,9 @@ class Watchdog:
         if not worker.started and seq != worker.watch.seq:
             self._note_start(worker, now)
         worker.watch.observe(seq, now)
+        if worker.watch.seq is not None and (worker.cpu_mark is None or worker.cpu_mark[0] != worker.watch.seq):
+            owner = self._owner(worker, process)
+            worker.cpu_mark = (worker.watch.seq, owner, cpu_seconds(owner))
         silent = worker.watch.silent_for(now)
         if silent > min(policy.floor, STALL_MIN_S) and worker.watch.current() is None:
             worker.watch.snapshot = channel.read(worker.view)  # once per silence: nothing changed since
@@ -212,6 +222,19 @@ class Watchdog:
             return None
         stalled = cut_off if cut_off is not None else self._broken_paths(worker, process, hang.starting)
         return dataclasses.replace(hang, stalled_peers=tuple(stalled))
+
+    def _cpu_used(self, worker: _Worker, process: WorkerProcess) -> float | None:
+        """The CPU seconds the worker's process used since its last sign of life, looked at only inside a long
+        operation, where silence alone does not tell a save at work from a wait on a stopped peer (None: not
+        there, or not known)."""
+        snapshot = worker.watch.current()
+        if snapshot is None or snapshot.long_op is None or worker.cpu_mark is None:
+            return None
+        seq, owner, then = worker.cpu_mark
+        if seq != worker.watch.seq or owner != self._owner(worker, process) or then is None:
+            return None
+        now = cpu_seconds(owner)
+        return None if now is None else now - then
 
     def _broken_paths(self, worker: _Worker, process: WorkerProcess, starting: bool) -> list[str]:
         """The peers the worker's broken paths lead to (failure_evidence): its stalled connections; for a starting
@@ -258,8 +281,12 @@ class Watchdog:
     def _owner(self, worker: _Worker, process: WorkerProcess) -> int:
         """The worker's own pid, from its channel, if it is `process` or below it (a supervisor, a wrapper)."""
         snapshot = worker.watch.snapshot
-        if snapshot is not None and snapshot.pid and _descends_from(snapshot.pid, process.pid):
-            return snapshot.pid
+        if snapshot is not None:
+            pid = snapshot.pid
+        else:  # not read yet: a worker that keeps heartbeating is never silent long enough to be read
+            pid = channel.read_owner(worker.view) if self._open(worker) else 0
+        if pid and _descends_from(pid, process.pid):
+            return pid
         return process.pid
 
     def _dump(self, worker: _Worker, process: WorkerProcess, now: float) -> StackDump:

@@ -20,11 +20,14 @@ they wrote and asks these rules, passing its own clock's readings:
   (by default `--watchdog-long-op`; `math.inf`: unlimited).
 
 Stalls, a hint for the controller rather than a verdict: when every worker of the node heartbeated at least
-`STALL_MIN_INTERVALS` + 1 times in this round, none is inside a long operation, and each has been silent for more
-than `STALL_FACTOR` x a slow recent step interval (the `STALL_QUANTILE` of the window; at least `STALL_MIN_S`),
-the node is stalled (`stall_of`). In a synchronous job that is how a stopped or frozen peer shows: its peers block
-in their next collective and nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the
-controller probes the members that are not stalled; a stall costs a probe, never a restart.
+`STALL_MIN_INTERVALS` + 1 times in this round and each has been silent for more than `STALL_FACTOR` x a slow
+recent step interval (the `STALL_QUANTILE` of the window; at least `STALL_MIN_S`), the node is stalled
+(`stall_of`). In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next
+collective and nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the controller
+probes the members that are not stalled; a stall costs a probe, never a restart. Inside a long operation silence
+alone says little (a checkpoint save works without heartbeats): there a worker counts only if it is also idle, its
+process having used under `IDLE_CPU_SHARE` of a core since its last sign of life, as one blocked in a collective
+on a stopped peer is (a chaos run's stop during a disk checkpoint's save waited 3.8 s for the lease).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ STALL_FACTOR = 2.0
 STALL_QUANTILE = 0.9
 STALL_MIN_S = 0.5
 STALL_MIN_INTERVALS = 2
+IDLE_CPU_SHARE = 0.1  # of one core, over a silence inside a long operation: waiting, not saving
 
 
 def parse_timeout(spec: str | float) -> float | Literal["auto", "off"]:
@@ -134,6 +138,7 @@ class Stall:
 
     seconds_silent: float  # the shortest silence among them: how long the node has been stalled at least
     last_step: int | None
+    long_op: str | None = None  # the long operation one of them was idle in (a drain's save is one)
 
 
 def stall_allowance(intervals: Sequence[float]) -> float | None:
@@ -146,19 +151,29 @@ def stall_allowance(intervals: Sequence[float]) -> float | None:
     return max(STALL_MIN_S, STALL_FACTOR * slow)
 
 
-def stall_of(workers: Sequence[tuple[float, channel.Snapshot | None]]) -> Stall | None:
+def stall_of(workers: Sequence[tuple[float, channel.Snapshot | None, float | None]]) -> Stall | None:
     """A Stall when every one of a node's workers, given as (seconds silent, its channel as last read, None if
-    unread since its last sign of life), is silent past its stall allowance outside any long operation."""
+    unread since its last sign of life, and the CPU seconds its process used since then, None if not measured),
+    is silent past its stall allowance, and idle as well if it is inside a long operation."""
     if not workers:
         return None
-    for silent, snapshot in workers:
-        if snapshot is None or snapshot.long_op is not None:
+    long_op = None
+    for silent, snapshot, cpu_used in workers:
+        if snapshot is None:
             return None
         allowed = stall_allowance(snapshot.intervals)
         if allowed is None or silent <= allowed:
             return None
-    steps = [snapshot.last_step for _, snapshot in workers if snapshot is not None and snapshot.last_step is not None]
-    return Stall(seconds_silent=min(silent for silent, _ in workers), last_step=max(steps, default=None))
+        if snapshot.long_op is not None:
+            if cpu_used is None or cpu_used >= IDLE_CPU_SHARE * silent:
+                return None
+            long_op = snapshot.long_op.name
+    steps = [
+        snapshot.last_step for _, snapshot, _ in workers if snapshot is not None and snapshot.last_step is not None
+    ]
+    return Stall(
+        seconds_silent=min(silent for silent, _, _ in workers), last_step=max(steps, default=None), long_op=long_op
+    )
 
 
 @dataclass(frozen=True)

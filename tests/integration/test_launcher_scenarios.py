@@ -150,13 +150,18 @@ def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
     assert log[-1]["event"] == "job_finished"
 
 
-@pytest.mark.parametrize("victim_role", ["member", "controller"])
-def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, victim_role):
+@pytest.mark.parametrize(
+    "victim_role, long_operation",
+    [("member", None), ("controller", None), ("member", "checkpoint save")],
+    ids=["member", "controller", "member-inside-a-long-operation"],
+)
+def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, victim_role, long_operation):
     """A stopped host: its peers' workers block in all_reduce and nothing fails. Their agents report the stall, the
     controller probes the member that is not stalled, it does not answer, and it is lost long before its lease
     (10 s here) would end. A stopped controller probes nobody: the stalled members of the lowest group ranks probe
-    it, and depose it when it does not answer."""
-    probe = cluster.probe(60, 0.1)
+    it, and depose it when it does not answer. Workers blocked inside a long operation (as a checkpoint save's
+    collectives are) are silent there by right, but idle: that is a stall too."""
+    probe = cluster.probe(60, 0.1, *(["--long-operation", long_operation] if long_operation else []))
     long_lease = FAST_RDZV.replace("keep_alive_interval=0.5", "keep_alive_interval=2").replace(
         "keep_alive_max_attempt=3", "keep_alive_max_attempt=5"
     )

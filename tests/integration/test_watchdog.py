@@ -116,16 +116,24 @@ def test_a_stall_is_a_few_slow_steps_of_silence_and_never_under_half_a_second():
     assert stall_allowance(([0.2] * 4 + [2.0]) * 20) == pytest.approx(4.0)
 
 
+SAVING = channel.LongOp("checkpoint save", None)
+
+
 @pytest.mark.parametrize(
     "workers, stalled",
     [
         ([], False),  # no workers
-        ([(0.7, snapshot(9, 5, [0.1] * 4, step=4))], True),
-        ([(0.7, snapshot(9, 5, [0.1] * 4, step=4)), (0.4, snapshot(9, 5, [0.1] * 4, step=4))], False),  # one beats
-        ([(0.7, snapshot(9, 5, [0.1] * 4, step=4)), (9.0, None)], False),  # one changed since its read: alive
-        ([(0.7, snapshot(9, 5, [0.1, 0.4], step=4))], False),  # a slow step in the window: 0.8 s allowed
-        ([(0.7, snapshot(9, 2, [0.1], step=1))], False),  # too few steps to know the pace
-        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=channel.LongOp("checkpoint save", None)))], False),
+        ([(0.7, snapshot(9, 5, [0.1] * 4, step=4), None)], True),
+        ([(0.7, snapshot(9, 5, [0.1] * 4, step=4), None), (0.4, snapshot(9, 5, [0.1] * 4, step=4), None)], False),
+        ([(0.7, snapshot(9, 5, [0.1] * 4, step=4), None), (9.0, None, None)], False),  # one changed since its read
+        ([(0.7, snapshot(9, 5, [0.1, 0.4], step=4), None)], False),  # a slow step in the window: 0.8 s allowed
+        ([(0.7, snapshot(9, 2, [0.1], step=1), None)], False),  # too few steps to know the pace
+        # inside a long operation: a save at work (0.9 CPU-s in 5 s), or how much it worked not known
+        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.9)], False),
+        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), None)], False),
+        # ... or idle there, as a wait on a stopped peer is (0.3 CPU-s in 5 s: under a tenth of a core)
+        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.3)], True),
+        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.3), (0.7, snapshot(9, 5, [0.1] * 4), None)], True),
     ],
 )
 @pytest.mark.timeout(10)
@@ -135,8 +143,10 @@ def test_a_node_is_stalled_only_when_every_worker_is_silent_past_its_stall_allow
 
 @pytest.mark.timeout(10)
 def test_a_stall_counts_from_the_worker_silent_the_shortest_and_names_the_latest_step():
-    workers = [(0.9, snapshot(9, 5, [0.1] * 4, step=4)), (0.6, snapshot(7, 6, [0.1] * 5, step=5))]
+    workers = [(0.9, snapshot(9, 5, [0.1] * 4, step=4), None), (0.6, snapshot(7, 6, [0.1] * 5, step=5), None)]
     assert stall_of(workers) == Stall(seconds_silent=0.6, last_step=5)
+    idle_saving = [(2.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.01), *workers]
+    assert stall_of(idle_saving) == Stall(seconds_silent=0.6, last_step=5, long_op="checkpoint save")
 
 
 class RunningProcess:
@@ -170,10 +180,22 @@ def test_the_watchdog_finds_its_workers_stalled_once_they_stop_beating(tmp_path)
         writers[1].beat(4)
         watchdog.check(running)
         assert watchdog.stall is None, "one worker beat again"
+        saving = writers[1].begin("checkpoint save", None)
+        watchdog.check(running)
+        clock.now += 5.0
+        busy_until = time.process_time() + 0.7  # this process is the workers': it works through the save
+        while time.process_time() < busy_until:
+            pass
+        watchdog.check(running)
+        assert watchdog.stall is None, "a worker at work inside a long operation is not stalled"
+        writers[1].end(saving)
         writers[1].begin("checkpoint save", None)
+        watchdog.check(running)
         clock.now += 5.0
         watchdog.check(running)
-        assert watchdog.stall is None, "a worker inside a long operation is not stalled"
+        assert watchdog.stall is not None and watchdog.stall.long_op == "checkpoint save", (
+            "idle inside a long operation, as one blocked on a stopped peer is"
+        )
     finally:
         for writer in writers:
             writer.close()
