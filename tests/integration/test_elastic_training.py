@@ -54,9 +54,11 @@ def committed_history(sample_log) -> dict[int, list[dict]]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("memory_every", "ckpt_every"), [(0, 8), (1, 50)], ids=["disk only", "memory every step"])
 def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path, memory_every, ckpt_every):
-    """Disk only: commits at steps 8, 16, 24, so a kill at step 10 leaves uncommitted steps to redo (unless 6 more
-    steps run between seeing step 10 and the kill: 5 did in one run under cluster.wait_for's 0.2 s poll, so this
-    one polls every 0.02 s). With a snapshot in memory
+    """Disk only: commits at steps 8, 16, 24; the kill comes once step 10 ran at 3 ranks and (disk only) the save of
+    step 8 is committed, which on a loaded machine can take several steps: the new round resumes from step 8, and
+    the steps after it are redone (polled every 0.02 s, so that the commit at 16 does not come first: 5 more steps
+    ran under cluster.wait_for's 0.2 s poll in one run; in another the kill came before step 8 was committed, and
+    every step was redone at 2 ranks). With a snapshot in memory
     every step and no disk commit after step 0, the survivors load the newest snapshot (the lost node's part from
     its copy on a survivor) and redo at most the step the kill interrupted."""
     samples = tmp_path / "samples.jsonl"
@@ -68,8 +70,13 @@ def test_training_survives_a_lost_node_using_every_sample_once(cluster, tmp_path
         cluster.start(n, args, nnodes="2:3", nproc=1, rdzv_conf=all_three, script=REPO / "examples" / "train.py")
         for n in "abc"
     ]
+
+    def time_to_kill() -> bool:
+        ran = samples.is_file() and '"step": 10,' in samples.read_text()
+        return ran and (memory_every > 0 or ckpt_every in committed_steps(tmp_path / "ckpt"))
+
     deadline = time.monotonic() + 120
-    while not (samples.is_file() and '"step": 10,' in samples.read_text()):
+    while not time_to_kill():
         assert time.monotonic() < deadline, "timed out waiting for step 10 at 3 ranks\n" + cluster.dump()
         time.sleep(0.02)
     killed_at = time.time()
