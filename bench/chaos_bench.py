@@ -561,7 +561,7 @@ def compare(free: Run, chaos: Run, free_after: Run | None = None) -> dict:
     free_records, chaos_records = free.records(), chaos.records()
     free_steps, chaos_steps = progress(free_records), progress(chaos_records)
     frees = [(free, free_steps)] + ([(free_after, progress(free_after.records()))] if free_after else [])
-    free_s = free_steps[-1][0] - free_steps[0][0]
+    free_seconds = [steps[-1][0] - steps[0][0] for _, steps in frees]
     chaos_s = (chaos.cut_at or chaos_steps[-1][0]) - chaos_steps[0][0]
     follows = chaos.system.batch_follows_world
     median = statistics.median(b[0] - a[0] for _, steps in frees for a, b in zip(steps, steps[1:]))
@@ -581,8 +581,8 @@ def compare(free: Run, chaos: Run, free_after: Run | None = None) -> dict:
         # less and, on 2 oversubscribed cores, run faster, so its steps per second would flatter it
         "goodput": round(batches_per_second(chaos, chaos_steps, follows) / fault_free_rate(frees, follows), 3),
         "step_goodput": round(batches_per_second(chaos, chaos_steps, False) / fault_free_rate(frees, False), 3),
-        "fault_free_s": round(free_s, 1),
-        **({"fault_free_after_s": round(frees[1][1][-1][0] - frees[1][1][0][0], 1)} if free_after else {}),
+        "fault_free_s": round(free_seconds[0], 1),
+        **({"fault_free_after_s": round(free_seconds[1], 1)} if len(free_seconds) > 1 else {}),
         "chaos_s": round(chaos_s, 1),
         "faults": {kind: faults.count(kind) for kind in KINDS if kind in faults},
         "joins": sum(c.what.endswith("joins") for c in chaos.changes),
