@@ -40,7 +40,7 @@ try:
     import elastic
     from elastic import heartbeat, long_operation
     from elastic.checkpoint import CheckpointManager, ModelState
-    from elastic.devices import BackendChoice, DeviceChoice, PlacementError, placement_here
+    from elastic.devices import BackendChoice, DeviceChoice, Placement, PlacementError, placement_here
     from elastic.rng import derive_seed, per_sample_dropout, sample_generator, seed_all
     from elastic.sample_log import append_sample_log
     from elastic.sampling import ElasticSampler, MicroBatch, SamplingConfig
@@ -294,12 +294,8 @@ def train_step(
 
 
 @record  # an uncaught exception lands in TORCHELASTIC_ERROR_FILE: the launcher's failure summary shows it
-def main(config: TrainConfig) -> None:
+def main(config: TrainConfig, placement: Placement, dataset: CharWindows) -> None:
     began = time.perf_counter()
-    try:
-        placement = placement_here(config.device, config.backend)
-    except PlacementError as error:
-        sys.exit(f"train.py: {error}")
     device = placement.device
     dist.init_process_group(placement.backend, device_id=device if device.type == "cuda" else None)
     grouped = time.perf_counter()
@@ -308,7 +304,6 @@ def main(config: TrainConfig) -> None:
     # force: under elastic.run a later round re-enters main in the same process, at another rank
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s", force=True)
 
-    dataset = CharWindows(generate_corpus(config.corpus_chars), config.seq_len)
     torch.manual_seed(config.seed)  # the same initial weights on every rank, before sharding
     model = GPT(config, vocab_size=len(dataset.vocab)).to(device)
     shard(model, init_device_mesh(device.type, (world_size,)))
@@ -419,5 +414,15 @@ def finish(manager: CheckpointManager | None) -> None:
 
 
 if __name__ == "__main__":
+    config = parse_config(sys.argv[1:])
+    # What does not depend on the world is built once per process, before elastic.run: a worker started in
+    # standby has its device and its data before its round comes, and a re-entered one keeps them
+    try:
+        placement = placement_here(config.device, config.backend)
+    except PlacementError as error:
+        sys.exit(f"train.py: {error}")
+    if placement.device.type == "cuda":
+        torch.ones(1, device=placement.device)  # CUDA builds the device's context at its first tensor: here
+    dataset = CharWindows(generate_corpus(config.corpus_chars), config.seq_len)
     # under elastic-run, a new round that keeps this worker's node calls main again in this process
-    elastic.run(main, parse_config(sys.argv[1:]))
+    elastic.run(main, config, placement, dataset)
