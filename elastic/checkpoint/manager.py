@@ -283,18 +283,18 @@ class CheckpointManager:
     def _load_from_memory(self, state: dict[str, Any]) -> int | None:
         """Load the newest memory snapshot if no committed checkpoint is newer; its step, else None."""
         assert self._memory is not None
-        record = self._memory.newest()
+        found = self._memory.newest()
         entries = self._ranks.agree(lambda: scan(self.directory), f"listing {self.directory}", only_rank0=True)
         committed = [entry for entry in entries if entry.committed]
-        if record is None or (committed and committed[-1].step > record.step):
+        if found is None or (committed and committed[-1].step > found.step):
             return None
         try:
-            self._memory.load(record, state)
+            self._memory.load(found, state)
         except (RankFailure, CheckpointException) as error:  # raised on every rank; the disk load overwrites all
-            logger.warning("could not load step %d from memory (%s); loading from disk", record.step, error)
+            logger.warning("could not load step %d from memory (%s); loading from disk", found.step, error)
             return None
         self._seen_at_load = {entry.key for entry in committed}
-        return record.step
+        return found.step
 
     def _claim(self) -> Fence:
         """Claim the directory (rank 0); the commits it keeps counting are those load_latest listed, if it ran."""

@@ -78,6 +78,19 @@ class Inventory:
 
 
 @dataclass(frozen=True)
+class Found:
+    """The newest snapshot the nodes can assemble, and what each node held when it was found: loading it right
+    after needs no second look."""
+
+    record: SnapshotRecord
+    inventories: list[Inventory]
+
+    @property
+    def step(self) -> int:
+        return self.record.step
+
+
+@dataclass(frozen=True)
 class Transfer:
     """One file sent from the leader of a node that has it to the leader of a node that lacks it."""
 
@@ -191,17 +204,21 @@ class MemorySnapshots:
             error, self._copy_error = self._copy_error, None
             logger.warning("could not copy the last memory snapshot to the next node: %s", error)
 
-    def newest(self) -> SnapshotRecord | None:
+    def newest(self) -> Found | None:
         """The newest snapshot the nodes can assemble between them (every rank gets the same answer)."""
-        return newest_loadable(self._inventories())
-
-    def load(self, record: SnapshotRecord, state: dict[str, Any]) -> None:
-        """Gather ``record``'s files on every node, then load it into ``state`` at this world size."""
-        started = time.monotonic()
         inventories = self._inventories()
+        record = newest_loadable(inventories)
+        return None if record is None else Found(record, inventories)
+
+    def load(self, found: Found, state: dict[str, Any]) -> None:
+        """Gather the files of the snapshot ``newest`` found on every node, then load it into ``state`` at this
+        world size. Call it before the next save, which may write over what the inventories list."""
+        started = time.monotonic()
+        record = found.record
         folder = self._own(record.step)
         self._ranks.agree(
-            lambda: self._assemble(record, folder, inventories), f"gathering the memory snapshot of step {record.step}"
+            lambda: self._assemble(record, folder, found.inventories),
+            f"gathering the memory snapshot of step {record.step}",
         )
         load_folder(self._ranks, folder, record.step, state, record.world_size, SnapshotReader)
         logger.info(

@@ -156,3 +156,39 @@ def test_sync_module_states_on_a_plain_module_copies_from_src() -> None:
     expected = torch.nn.Linear(3, 2).state_dict().values()
     for rank in range(2):
         assert all(torch.equal(got, want) for got, want in zip(results[rank], expected))
+
+
+def sharded_state(value: float) -> dict:
+    model = torch.nn.Linear(8, 8)
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(value)
+    return {"model": ModelState(model)}
+
+
+def load_with_one_rank_damaged(rank: int, world_size: int, directory: str) -> tuple[int | None, float]:
+    manager = CheckpointManager(directory, async_save=False, check_at_start=False)
+    for step in (1, 2):
+        manager.save(step, sharded_state(float(step)))
+    manager.close()
+    torch.distributed.barrier()
+    if rank == 1:  # same length, so only reading the bytes finds it; rank 0's own shard reads fine
+        damaged = Path(directory) / "step-2" / "__1_0.distcp"
+        damaged.write_bytes(b"\x00" * damaged.stat().st_size)
+    torch.distributed.barrier()
+    state = sharded_state(-1.0)
+    manager = CheckpointManager(directory, async_save=False, check_at_start=False)
+    step = manager.load_latest(state)
+    manager.close()
+    return step, state["model"].model.weight.to_local().flatten()[0].item()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_data_only_one_rank_cannot_decode_makes_every_rank_load_the_step_before(tmp_path: Path) -> None:
+    """Every rank plans and reads its own part of a load (no collective inside DCP's); a failure on one rank still
+    reaches all, which load the step before and set the damaged one aside."""
+    results = run_ranks(2, load_with_one_rank_damaged, str(tmp_path))
+    assert results == [(1, 1.0), (1, 1.0)]
+    assert len(list(tmp_path.glob("step-2.unreadable-*"))) == 1
