@@ -59,8 +59,8 @@ class RendezvousSettings(BaseModel):
     probe_timeout: float = Field(
         0.5,
         ge=0,
-        description="seconds a silent member's agent has to answer a liveness "
-        "probe when its peers' workers failed (0: no probes, the lease decides)",
+        description="the most seconds a silent member's agent has to answer a liveness probe when its peers' "
+        "workers failed or stalled, less once its peers answered theirs (0: no probes, the lease decides)",
     )
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "examples" / "collective_probe.py"
 FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=60"
+# the reason of a member lost on its probe, found silent against its peers' answers (launcher.rendezvous.liveness)
+PROBE_MISSED = re.compile(
+    r"no answer to a liveness probe within \d+\.\d\ds, while \d+ other member\(s\) answered within "
+    r"\d+\.\d{3}s \(probe_timeout=0\.5s\)"
+)
 
 
 def elastic_run_command() -> list[str]:

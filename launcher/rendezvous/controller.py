@@ -12,7 +12,6 @@ import logging
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import assert_never
 
 from launcher.config import LaunchConfig
@@ -35,7 +34,7 @@ from launcher.rendezvous.decisions import (
     track,
 )
 from launcher.rendezvous.job_view import JobView, ViewParser
-from launcher.rendezvous.liveness import probe
+from launcher.rendezvous.liveness import Target, probe_all
 from launcher.rendezvous.membership_log import LogMirror
 from launcher.rendezvous.protocol import ControllerStore, Holder
 from launcher.rendezvous.records import DrainRequest, JobStatus, RoundRecord, new_event
@@ -52,7 +51,6 @@ _LOG_SYNC_EVERY_S = 0.5
 _PAUSE_PER_READ = 4.0
 _MAX_PAUSE_S = 0.25
 _RESTART_AFTER_S = 1.0  # after etcd did not answer for a whole retry deadline: a pause, then lead again
-_MAX_PARALLEL_PROBES = 64
 
 
 def settings_from(config: LaunchConfig) -> Settings:
@@ -216,10 +214,12 @@ class Controller:
     def _probe(self, decision: ProbeMembers, view: JobView) -> None:
         """Probe the silent (or, in a stall, not stalled) members at once; those that do not answer are lost
         now, and fenced."""
-        targets = list(decision.members.values())
-        with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_PROBES, len(targets))) as pool:
-            answers = pool.map(lambda r: probe(r.addr, r.probe_port, r.lease, self.settings.probe_timeout), targets)
-        failed = {record.node: miss.reason for record, miss in zip(targets, answers) if miss is not None}
+        suspects, peers = (
+            {node: Target(r.addr, r.probe_port, r.lease) for node, r in records.items()}
+            for records in (decision.members, decision.peers)
+        )
+        misses = probe_all(suspects, peers, self.settings.probe_timeout)
+        failed = {node: miss.reason for node, miss in misses.items()}
         if failed:
             revoke = {node: decision.members[node].lease for node in failed}
             self._mark_lost(MarkLost(reasons=failed, revoke=revoke), view)

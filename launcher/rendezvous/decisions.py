@@ -55,6 +55,7 @@ from launcher.rendezvous.records import DrainReport, Member, NodeRecord, RoundRe
 # a stall lasts until the culprit is found or the workers beat again; probing every member that is not
 # stalled more often than this would only load the agents (each probe is one TCP connection)
 STALL_PROBE_EVERY_S = 1.0
+PROBE_PEERS = 4  # live members probed beside a probe's suspects: their answers set how long a suspect has
 
 
 class RoundReason(str, Enum):
@@ -158,10 +159,12 @@ class WithdrawDrain:
 
 @dataclass(frozen=True)
 class ProbeMembers:
-    """Probe these silent members' agents; one that does not answer is lost at once (launcher.rendezvous.liveness)."""
+    """Probe these silent members' agents; one that does not answer is lost at once (launcher.rendezvous.liveness).
+    `peers`, live members probed with them, tell how fast an agent answers now."""
 
     members: dict[str, NodeRecord]  # node -> its registration: address, probe port, incarnation
     stall: bool = False  # because of a stall (rule 7), not of failed workers (rule 6)
+    peers: dict[str, NodeRecord] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -493,7 +496,7 @@ def _roll_call(view: JobView, round_: RoundRecord, clock: Clock, now: float, set
         if settings.probe_timeout and m.node not in clock.probed and view.nodes[m.node].probe_port
     }
     if unprobed:
-        return ProbeMembers(members=unprobed)
+        return ProbeMembers(members=unprobed, peers=_probe_peers(view, unprobed))
     if not unanswered:
         return None
     return _evict_after_close_timeout(
@@ -582,7 +585,18 @@ def _probe_for_stall(
         return None
     if clock.stall_probed_at is not None and now < clock.stall_probed_at + STALL_PROBE_EVERY_S:
         return None
-    return ProbeMembers(members=suspects, stall=True)
+    return ProbeMembers(members=suspects, stall=True, peers=_probe_peers(view, suspects))
+
+
+def _probe_peers(view: JobView, suspects: dict[str, NodeRecord]) -> dict[str, NodeRecord]:
+    """Up to PROBE_PEERS live members other than `suspects` that have a probe port, in rank order."""
+    peers: dict[str, NodeRecord] = {}
+    for m in _members(view):
+        if len(peers) == PROBE_PEERS:
+            break
+        if m.node not in suspects and _alive(view, m) and view.nodes[m.node].probe_port:
+            peers[m.node] = view.nodes[m.node]
+    return peers
 
 
 def _drain_answers(view: JobView) -> dict[str, DrainReport]:

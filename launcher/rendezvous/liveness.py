@@ -11,6 +11,13 @@ workers fail, the controller probes it (`launcher.rendezvous.decisions`, rule 6)
 A node that fails its probe is marked lost and its lease revoked, which fences it: an agent alive after all
 finds its lease gone, stops its workers and rejoins as a newcomer.
 
+How long a suspect may take is measured against its peers (`probe_all`): the controller probes a few other live
+members with it, and once every one of them answered, a suspect still silent after `PEER_FACTOR` times the
+slowest of their answers (at least `SILENCE_FLOOR_S`) has not answered; `probe_timeout` stays the most it waits.
+An agent answers from a thread of its own in milliseconds: a stopped one was found 0.5 s after its peers' stall,
+waiting out probe_timeout, while its peers had answered in a few milliseconds. A host loaded enough to slow every
+agent's answer slows the peers' too, and the wait grows with them.
+
 The controller's own node can die or stop too. An agent whose workers failed probes the controller's agent; if
 that is certainly gone (refused, or a newer agent answers: a timeout is no proof, since every failed member
 probes it at once) it deposes it (`controller_lost`, its lease revoked), so a standby takes over at once instead
@@ -25,7 +32,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+
+PEER_FACTOR = 5.0  # a suspect silent this many times as long as its slowest peer took to answer has not answered
+SILENCE_FLOOR_S = 0.15  # never sooner: a live agent's answer waits for its process to be scheduled
+MAX_PARALLEL_PROBES = 64
 
 
 class LivenessServer:
@@ -96,3 +109,66 @@ def probe(addr: str, port: int, incarnation: int, timeout: float) -> Miss | None
 
 def _family(addr: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+
+@dataclass(frozen=True)
+class Target:
+    """An agent to probe: where its liveness port is, and the incarnation that must answer."""
+
+    addr: str
+    port: int
+    incarnation: int
+
+
+def silence_deadline(answered_in: Sequence[float], waiting: int, timeout: float) -> float:
+    """Seconds after the probes went out at which a suspect that has not answered counts as silent: `timeout`
+    while a peer's answer is awaited (or none came), else `PEER_FACTOR` times the slowest peer's answer, at least
+    `SILENCE_FLOOR_S`, at most `timeout`."""
+    if waiting or not answered_in:
+        return timeout
+    return min(timeout, max(SILENCE_FLOOR_S, PEER_FACTOR * max(answered_in)))
+
+
+def probe_all(suspects: dict[str, Target], peers: dict[str, Target], timeout: float) -> dict[str, Miss]:
+    """Probe `suspects` and `peers` at once; the suspects that did not answer, by node. A suspect is not waited for
+    past `silence_deadline` of the peers' answers (a peer that missed its probe tells nothing and is left out)."""
+    if not suspects:
+        return {}
+    started = time.monotonic()
+    pool = ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_PROBES, len(suspects) + len(peers)))
+    pending: dict[Future[tuple[Miss | None, float]], str] = {
+        pool.submit(_timed_probe, target, timeout): node for node, target in {**peers, **suspects}.items()
+    }
+    try:
+        misses: dict[str, Miss] = {}
+        answered_in: list[float] = []
+        while any(node in suspects for node in pending.values()):
+            waiting = sum(node in peers for node in pending.values())
+            left = started + silence_deadline(answered_in, waiting, timeout) - time.monotonic()
+            if left <= 0:
+                break
+            done, _ = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+            for future in done:
+                node = pending.pop(future)
+                miss, took = future.result()
+                if node in suspects and miss is not None:
+                    misses[node] = miss
+                elif node in peers and miss is None:
+                    answered_in.append(took)
+        within = f"probe_timeout={timeout:g}s"
+        if answered_in:
+            within = (
+                f"{time.monotonic() - started:.2f}s, while {len(answered_in)} other member(s) answered within "
+                f"{max(answered_in):.3f}s ({within})"
+            )
+        for node in (node for node in pending.values() if node in suspects):
+            misses[node] = Miss(f"no answer to a liveness probe within {within}", certain=False)
+        return misses
+    finally:
+        pool.shutdown(wait=False)  # a probe left running ends within its own timeout
+
+
+def _timed_probe(target: Target, timeout: float) -> tuple[Miss | None, float]:
+    started = time.monotonic()
+    miss = probe(target.addr, target.port, target.incarnation, timeout)
+    return miss, time.monotonic() - started

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from launcher_harness import FAST_RDZV, REPO, events, resume
+from launcher_harness import FAST_RDZV, PROBE_MISSED, REPO, events, resume
 
 from elastic.checkpoint.layout import scan
 from launcher.workers.process_tree import child_pids, descendant_pids, is_running
@@ -197,9 +197,7 @@ def test_a_node_paused_past_the_probe_timeout_is_fenced_rejoins_and_nothing_comm
     finally:
         resume(paused)
     assert old_workers and committed_before and committed_before[-1] >= ckpt_every
-    assert [(e["node"], e["reason"]) for e in lost] == [
-        (victim.node_id, "no answer to a liveness probe within probe_timeout=0.5s")
-    ]
+    assert [e["node"] for e in lost] == [victim.node_id] and PROBE_MISSED.fullmatch(lost[0]["reason"]), lost
     assert lost[0]["time"] - crashed_at < 4, "before the lease could have ended"
     cluster.wait_for(lambda: not any(is_running(p) for p in old_workers), 10, "the paused node's old workers to go")
     cluster.wait_for(lambda: any(r["round"] > fault_round for r in logged(samples)), 120, "a step after the fault")

@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from launcher_harness import resume
+from launcher_harness import PROBE_MISSED, resume
 
 from launcher.workers.process_tree import child_pids, is_running
 
@@ -93,9 +93,7 @@ def test_a_node_paused_past_the_probe_timeout_while_a_peer_fails_is_fenced_and_r
     finally:
         time.sleep(max(0.0, crashed_at + 2 - time.time()))
         resume(paused)
-    assert [(e["node"], e["reason"]) for e in lost] == [
-        (victim.node_id, "no answer to a liveness probe within probe_timeout=0.5s")
-    ]
+    assert [e["node"] for e in lost] == [victim.node_id] and PROBE_MISSED.fullmatch(lost[0]["reason"]), lost
     assert lost[0]["time"] - crashed_at < 4, "before the lease could have ended"
     cluster.wait_for(lambda: not any(is_running(p) for p in old_workers), 10, "the paused node's old workers to go")
     cluster.wait_for_world(3, timeout=60, after=time.time())  # it rejoined; a scale-up round took it back

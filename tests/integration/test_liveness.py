@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from launcher.rendezvous.liveness import LivenessServer, Miss, probe
+from launcher.rendezvous.liveness import (
+    SILENCE_FLOOR_S,
+    LivenessServer,
+    Miss,
+    Target,
+    probe,
+    probe_all,
+    silence_deadline,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,3 +68,53 @@ def test_an_address_nobody_listens_on_is_refused_at_once():
         placeholder.bind(("127.0.0.1", 0))
         port = placeholder.getsockname()[1]
     assert probe("127.0.0.1", port, 1, timeout=2.0).certain
+
+
+@pytest.mark.parametrize(
+    ("answered_in", "waiting", "deadline"),
+    [
+        ([], 0, 0.5),  # no peer to compare with: probe_timeout
+        ([0.002], 1, 0.5),  # a peer's answer is still awaited
+        ([0.002, 0.004], 0, SILENCE_FLOOR_S),  # peers answered in milliseconds: the floor
+        ([0.002, 0.05], 0, 0.25),  # five times the slowest peer
+        ([0.3], 0, 0.5),  # peers as slow as that: never past probe_timeout
+    ],
+)
+def test_a_suspect_is_silent_once_it_took_much_longer_than_its_peers(answered_in, waiting, deadline):
+    assert silence_deadline(answered_in, waiting, timeout=0.5) == pytest.approx(deadline)
+
+
+def listening_but_never_answering() -> socket.socket:
+    """What a stopped agent's port looks like: the kernel completes the connection, nobody writes."""
+    return socket.create_server(("127.0.0.1", 0), backlog=8)
+
+
+def test_a_stopped_suspect_is_found_once_its_peers_answered_not_at_probe_timeout():
+    peers = [LivenessServer("127.0.0.1").start() for _ in range(2)]
+    live = LivenessServer("127.0.0.1").start()
+    for number, server in enumerate([*peers, live], start=1):
+        server.incarnation = number
+    with listening_but_never_answering() as stopped:
+        suspects = {
+            "stopped": Target("127.0.0.1", stopped.getsockname()[1], 9),
+            "live": Target("127.0.0.1", live.port, 3),
+        }
+        others = {f"peer{n}": Target("127.0.0.1", s.port, n) for n, s in enumerate(peers, start=1)}
+        try:
+            started = time.monotonic()
+            misses = probe_all(suspects, others, timeout=5.0)
+            took = time.monotonic() - started
+            assert list(misses) == ["stopped"], "the live suspect answered"
+            assert misses["stopped"].reason.startswith("no answer to a liveness probe within 0.")
+            assert "while 2 other member(s) answered within" in misses["stopped"].reason
+            assert not misses["stopped"].certain
+            assert SILENCE_FLOOR_S <= took < 2.0, f"{took:.2f}s: waited for probe_timeout, not for its peers"
+
+            # with no peer to compare with, the suspect has probe_timeout
+            started = time.monotonic()
+            alone = probe_all({"stopped": suspects["stopped"]}, {}, timeout=0.6)
+            assert alone["stopped"] == Miss("no answer to a liveness probe within probe_timeout=0.6s", certain=False)
+            assert time.monotonic() - started >= 0.6
+        finally:
+            for server in [*peers, live]:
+                server.stop()

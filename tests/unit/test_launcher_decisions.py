@@ -283,6 +283,21 @@ def test_a_stall_probes_the_members_that_are_not_stalled(reports, probed):
     else:
         assert isinstance(decision, ProbeMembers) and decision.stall
         assert set(decision.members) == probed
+        # the other members are probed beside them, to tell how fast a live agent answers now
+        assert set(decision.peers) == {"a", "b", "c"} - probed
+
+
+def test_a_probe_compares_with_at_most_a_few_live_members_that_have_a_probe_port():
+    names = [f"n{i}" for i in range(8)]
+    stalled = {name: STALL for name in names[:6]}
+    job = view(*names, round_of=tuple(names), acked=set(names), stalled=stalled)
+    for name in names:
+        if name != "n1":  # an older agent: no probe port
+            job.nodes[name] = job.nodes[name].model_copy(update={"probe_port": 4100})
+    decision = at(job, T0, T0, PROBING)
+    assert isinstance(decision, ProbeMembers)
+    assert set(decision.members) == {"n6", "n7"}
+    assert list(decision.peers) == ["n0", "n2", "n3", "n4"], "PROBE_PEERS of them, in rank order"
 
 
 def test_a_stall_is_probed_again_while_it_lasts_and_never_without_probes_or_ports():
