@@ -12,9 +12,10 @@ from launcher.config import LaunchConfig
 from launcher.etcd.errors import EtcdUnavailable
 from launcher.node.rules import claim_spread
 from launcher.rendezvous.controller import Controller
-from launcher.rendezvous.liveness import probe
+from launcher.rendezvous.liveness import Target, probe_all
 from launcher.rendezvous.membership_log import LogMirror
 from launcher.rendezvous.protocol import ControllerStore, Holder, JobStore
+from launcher.rendezvous.records import NodeRecord
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,13 @@ class ControllerSeat:
             self._claim_at = None
             self.claim(lease_id)
 
-    def check(self, encoded_holder: str, stalled: bool = False) -> None:
+    def check(self, encoded_holder: str, stalled: bool = False, own: NodeRecord | None = None) -> None:
         """Our workers failed, maybe because the controller's node died with its workers, or they are `stalled`,
         maybe because it stopped: then nobody would act on our report until its lease ended. Probe its agent and
-        depose it now if it is certainly gone, or, in a stall, if it does not answer within probe_timeout (the
-        proof the controller asks of a stall's suspects; after a failure, an agent flooded by the probes of every
-        failed member answers late too, so only certainty counts)."""
+        depose it now if it is certainly gone, or, in a stall, if it does not answer as the controller requires of
+        a stall's suspects: within probe_timeout, or sooner once our `own` agent, probed with it, answered
+        (liveness.silence_deadline). After a failure, an agent flooded by the probes of every failed member answers
+        late too, so only certainty counts."""
         holder = Holder.decode(encoded_holder)
         timeout = self.config.rdzv.probe_timeout
         if holder.node == self.node_id or not timeout:
@@ -74,10 +76,11 @@ class ControllerSeat:
         record = self.store.read_node(holder.node)
         if record is None or record.lease != holder.lease or not record.probe_port:
             return  # its registration already ended: the key goes with it
-        miss = probe(record.addr, record.probe_port, record.lease, timeout)
+        peers = {own.node: Target.of(own)} if stalled and own is not None and own.probe_port else {}
+        miss = probe_all({holder.node: Target.of(record)}, peers, timeout).get(holder.node)
         if miss is None or not (miss.certain or stalled):
             return  # alive, or maybe only slow: its lease decides
-        reason = miss.reason if miss.certain else f"{miss.reason}, while the workers of {self.node_id} stall"
+        reason = miss.reason if miss.certain else f"{miss.reason}; the workers of {self.node_id} stall"
         if self.store.depose_controller(holder, reason, self.node_id):
             logger.warning(
                 "the controller (node %s) is gone (%s): ended its lease so a standby takes over now",

@@ -214,10 +214,7 @@ class Controller:
     def _probe(self, decision: ProbeMembers, view: JobView) -> None:
         """Probe the silent (or, in a stall, not stalled) members at once; those that do not answer are lost
         now, and fenced."""
-        suspects, peers = (
-            {node: Target(r.addr, r.probe_port, r.lease) for node, r in records.items()}
-            for records in (decision.members, decision.peers)
-        )
+        suspects, peers = ({node: Target.of(r) for node, r in rs.items()} for rs in (decision.members, decision.peers))
         misses = probe_all(suspects, peers, self.settings.probe_timeout)
         failed = {node: miss.reason for node, miss in misses.items()}
         if failed:

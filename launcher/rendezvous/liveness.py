@@ -23,8 +23,8 @@ that is certainly gone (refused, or a newer agent answers: a timeout is no proof
 probes it at once) it deposes it (`controller_lost`, its lease revoked), so a standby takes over at once instead
 of when the lease ends. A stopped controller fails nobody's workers, it stalls them: while theirs are stalled,
 the members of the lowest group ranks (`launcher.node.rules.watches_controller`, a few whatever the job's size)
-probe it, and depose it if it does not answer within `probe_timeout`, the proof the controller itself asks of
-a stall's suspects.
+probe it, with their own agent as its peer, and depose it if it does not answer in time (`probe_all`), the proof
+the controller itself asks of a stall's suspects.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from launcher.rendezvous.records import NodeRecord
 
 PEER_FACTOR = 5.0  # a suspect silent this many times as long as its slowest peer took to answer has not answered
 SILENCE_FLOOR_S = 0.15  # never sooner: a live agent's answer waits for its process to be scheduled
@@ -118,6 +122,11 @@ class Target:
     addr: str
     port: int
     incarnation: int
+
+    @classmethod
+    def of(cls, record: NodeRecord) -> Target:
+        """The agent a node's registration names."""
+        return cls(record.addr, record.probe_port, record.lease)
 
 
 def silence_deadline(answered_in: Sequence[float], waiting: int, timeout: float) -> float:
