@@ -140,23 +140,30 @@ def silence_deadline(answered_in: Sequence[float], waiting: int, timeout: float)
 
 def probe_all(suspects: dict[str, Target], peers: dict[str, Target], timeout: float) -> dict[str, Miss]:
     """Probe `suspects` and `peers` at once; the suspects that did not answer, by node. A suspect is not waited for
-    past `silence_deadline` of the peers' answers (a peer that missed its probe tells nothing and is left out)."""
+    past `silence_deadline` of the peers' answers, counted from when its own probe went out (one may wait for a
+    free thread); a peer that missed its probe tells nothing and is left out."""
     if not suspects:
         return {}
-    started = time.monotonic()
+    begun: dict[str, float] = {}  # node -> when its probe went out
     pool = ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_PROBES, len(suspects) + len(peers)))
     pending: dict[Future[tuple[Miss | None, float]], str] = {
-        pool.submit(_timed_probe, target, timeout): node for node, target in {**peers, **suspects}.items()
+        pool.submit(_timed_probe, node, target, timeout, begun): node for node, target in {**peers, **suspects}.items()
     }
     try:
         misses: dict[str, Miss] = {}
         answered_in: list[float] = []
-        while any(node in suspects for node in pending.values()):
-            waiting = sum(node in peers for node in pending.values())
-            left = started + silence_deadline(answered_in, waiting, timeout) - time.monotonic()
-            if left <= 0:
+        silent: dict[str, float] = {}  # suspect -> how long it had been silent when it was judged so
+        while True:
+            now = time.monotonic()
+            after = silence_deadline(answered_in, sum(node in peers for node in pending.values()), timeout)
+            for node in pending.values():
+                if node in suspects and node not in silent and node in begun and now - begun[node] >= after:
+                    silent[node] = now - begun[node]
+            awaited = {future: node for future, node in pending.items() if node not in silent}
+            if not any(node in suspects for node in awaited.values()):
                 break
-            done, _ = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+            due = [begun[node] + after for node in awaited.values() if node in suspects and node in begun]
+            done, _ = wait(awaited, timeout=max(0.0, min(due) - now) if due else None, return_when=FIRST_COMPLETED)
             for future in done:
                 node = pending.pop(future)
                 miss, took = future.result()
@@ -164,20 +171,20 @@ def probe_all(suspects: dict[str, Target], peers: dict[str, Target], timeout: fl
                     misses[node] = miss
                 elif node in peers and miss is None:
                     answered_in.append(took)
-        within = f"probe_timeout={timeout:g}s"
-        if answered_in:
-            within = (
-                f"{time.monotonic() - started:.2f}s, while {len(answered_in)} other member(s) answered within "
-                f"{max(answered_in):.3f}s ({within})"
-            )
-        for node in (node for node in pending.values() if node in suspects):
+        for node, silent_for in silent.items():
+            within = f"probe_timeout={timeout:g}s"
+            if answered_in:
+                within = (
+                    f"{silent_for:.2f}s, while {len(answered_in)} other member(s) answered within "
+                    f"{max(answered_in):.3f}s ({within})"
+                )
             misses[node] = Miss(f"no answer to a liveness probe within {within}", certain=False)
         return misses
     finally:
-        pool.shutdown(wait=False)  # a probe left running ends within its own timeout
+        pool.shutdown(wait=False, cancel_futures=True)  # a probe left running ends within its own timeout
 
 
-def _timed_probe(target: Target, timeout: float) -> tuple[Miss | None, float]:
-    started = time.monotonic()
+def _timed_probe(node: str, target: Target, timeout: float, begun: dict[str, float]) -> tuple[Miss | None, float]:
+    begun[node] = started = time.monotonic()
     miss = probe(target.addr, target.port, target.incarnation, timeout)
     return miss, time.monotonic() - started

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.rendezvous import liveness
 from launcher.rendezvous.liveness import (
     SILENCE_FLOOR_S,
     LivenessServer,
@@ -118,3 +119,27 @@ def test_a_stopped_suspect_is_found_once_its_peers_answered_not_at_probe_timeout
         finally:
             for server in [*peers, live]:
                 server.stop()
+
+
+def test_a_suspect_waiting_for_a_free_thread_is_judged_from_when_its_own_probe_went_out(monkeypatch):
+    """One probe at a time: the live suspect's probe goes out only once the stopped one's timed out, long after
+    the peers set the deadline; it still answers, and only the stopped suspect is lost."""
+    monkeypatch.setattr(liveness, "MAX_PARALLEL_PROBES", 1)
+    peer, live = LivenessServer("127.0.0.1").start(), LivenessServer("127.0.0.1").start()
+    peer.incarnation, live.incarnation = 1, 2
+    with listening_but_never_answering() as stopped:
+        try:
+            started = time.monotonic()
+            misses = probe_all(
+                {
+                    "stopped": Target("127.0.0.1", stopped.getsockname()[1], 9),
+                    "live": Target("127.0.0.1", live.port, 2),
+                },
+                {"peer": Target("127.0.0.1", peer.port, 1)},
+                timeout=0.8,
+            )
+            assert list(misses) == ["stopped"]
+            assert time.monotonic() - started >= 0.8, "the live suspect's probe waited for the stopped one's thread"
+        finally:
+            peer.stop()
+            live.stop()
