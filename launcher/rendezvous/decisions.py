@@ -55,7 +55,7 @@ from launcher.rendezvous.records import DrainReport, Member, NodeRecord, RoundRe
 # a stall lasts until the culprit is found or the workers beat again; probing every member that is not
 # stalled more often than this would only load the agents (each probe is one TCP connection)
 STALL_PROBE_EVERY_S = 1.0
-PROBE_PEERS = 4  # live members probed beside a probe's suspects: their answers set how long a suspect has
+PROBE_PEERS = 4  # live members probed beside a probe's suspects: their answers set how long a suspect may take
 
 
 class RoundReason(str, Enum):
