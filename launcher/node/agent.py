@@ -283,7 +283,7 @@ class Agent:
                     run.controller_checked_in_stall_at = time.monotonic()
                 else:
                     run.controller_checked = True
-                self.seat.check(holder, stalled, own=self.me.record)
+                self.seat.check(holder, stalled, self.me.record)
             case rules.FollowDrain(request=request):
                 assert run is not None, "drains belong to a round"
                 self.workers.follow_drain(run, request)

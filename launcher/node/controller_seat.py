@@ -62,7 +62,7 @@ class ControllerSeat:
             self._claim_at = None
             self.claim(lease_id)
 
-    def check(self, encoded_holder: str, stalled: bool = False, own: NodeRecord | None = None) -> None:
+    def check(self, encoded_holder: str, stalled: bool, own: NodeRecord) -> None:
         """Our workers failed, maybe because the controller's node died with its workers, or they are `stalled`,
         maybe because it stopped: then nobody would act on our report until its lease ended. Probe its agent and
         depose it now if it is certainly gone, or, in a stall, if it does not answer as the controller requires of
@@ -76,7 +76,7 @@ class ControllerSeat:
         record = self.store.read_node(holder.node)
         if record is None or record.lease != holder.lease or not record.probe_port:
             return  # its registration already ended: the key goes with it
-        peers = {own.node: Target.of(own)} if stalled and own is not None and own.probe_port else {}
+        peers = {own.node: Target.of(own)} if stalled and own.probe_port else {}
         miss = probe_all({holder.node: Target.of(record)}, peers, timeout).get(holder.node)
         if miss is None or not (miss.certain or stalled):
             return  # alive, or maybe only slow: its lease decides

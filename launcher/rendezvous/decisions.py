@@ -569,11 +569,7 @@ def _stall_suspects(view: JobView, settings: Settings) -> dict[str, NodeRecord]:
     if not settings.probe_timeout or not any(node not in reports.done for node in reports.stalled):
         return {}
     reported = reports.stalled.keys() | reports.failed.keys() | reports.done
-    return {
-        m.node: view.nodes[m.node]
-        for m in _members(view)
-        if m.node not in reported and _alive(view, m) and view.nodes[m.node].probe_port
-    }
+    return {m.node: view.nodes[m.node] for m in _members(view) if m.node not in reported and _probeable(view, m)}
 
 
 def _probe_for_stall(
@@ -594,9 +590,14 @@ def _probe_peers(view: JobView, suspects: dict[str, NodeRecord]) -> dict[str, No
     for m in _members(view):
         if len(peers) == PROBE_PEERS:
             break
-        if m.node not in suspects and _alive(view, m) and view.nodes[m.node].probe_port:
+        if m.node not in suspects and _probeable(view, m):
             peers[m.node] = view.nodes[m.node]
     return peers
+
+
+def _probeable(view: JobView, member: Member) -> bool:
+    """The member's agent is alive by its lease and answers probes (it registered a probe port)."""
+    return _alive(view, member) and bool(view.nodes[member.node].probe_port)
 
 
 def _drain_answers(view: JobView) -> dict[str, DrainReport]:
