@@ -167,6 +167,12 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of `pid` (None: gone)."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
 def is_running(pid: int) -> bool:
     """Whether `pid` exists and is not a zombie: one whose parent died waits as a zombie until whoever adopted it
     (init, a subreaper) reaps it, which on a busy host can take seconds."""

@@ -32,7 +32,14 @@ from pathlib import Path
 
 from elastic import channel
 from launcher.workers import failure_evidence
-from launcher.workers.process_tree import WorkerProcess, cpu_seconds, is_stopped, own_children, signal_group
+from launcher.workers.process_tree import (
+    WorkerProcess,
+    cpu_seconds,
+    is_stopped,
+    own_children,
+    parent_pid,
+    signal_group,
+)
 from launcher.workers.watchdog_rules import STALL_MIN_S, Hang, Policy, Stall, StartupHistory, WorkerWatch, stall_of
 
 logger = logging.getLogger(__name__)
@@ -319,12 +326,10 @@ def _descends_from(pid: int, ancestor: int, depth: int = 8) -> bool:
     for _ in range(depth + 1):
         if pid == ancestor:
             return True
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+        parent = parent_pid(pid)
+        if parent is None or parent <= 1:
             return False
-        if pid <= 1:
-            return False
+        pid = parent
     return False
 
 
