@@ -221,6 +221,9 @@ class NoopWorkerGroup:
     def poll(self):
         return WorkerOutcome.RUNNING, []
 
+    def pids(self) -> list[int]:
+        return []
+
     def stall(self) -> None:
         return None  # no workers, never stalled
 

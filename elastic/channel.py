@@ -67,6 +67,7 @@ import math
 import mmap
 import os
 import signal
+import socket
 import struct
 import threading
 import time
@@ -74,6 +75,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 HEARTBEAT_ENV = "ELASTIC_HEARTBEAT_FILE"
+# where `ring_agent` wakes the agent: `@name`, a datagram socket in Linux's abstract namespace
+# (`launcher.workers.wakeups`)
+AGENT_DOORBELL_ENV = "ELASTIC_AGENT_DOORBELL"
 STACKS_FILE = "stacks.log"  # beside the channel: where a hung worker's stack dump goes
 MAGIC = b"EHB1"
 VERSION = 1
@@ -335,6 +339,7 @@ class Channel:
         if os.getpid() == self._pid:
             _I64.pack_into(self._view, OFF_DRAIN_DONE + 8, step)  # the step first: the number makes it count
             _U64.pack_into(self._view, OFF_DRAIN_DONE, number)
+            ring_agent()  # the agent answers the controller with it: the planned change waits on that
 
     def _write_ops(self, started: bool) -> None:
         view = self._view
@@ -454,6 +459,25 @@ def heartbeat(step: int | None = None) -> None:
 def drain_channel() -> Channel | _Disabled:
     """This worker's channel, for `elastic.checkpoint`'s drains (the no-op one outside elastic-run)."""
     return _channel if _channel is not None else _current()
+
+
+def socket_address(name: str) -> str:
+    """The `socket` address of a doorbell name: `@name` is `name` in the abstract namespace."""
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def ring_agent() -> None:
+    """Wake this worker's agent now instead of at its next poll (--monitor-interval): something it acts on
+    happened here and no exit shows it (main raised, a drain committed). Never blocks or raises; a no-op outside
+    elastic-run."""
+    name = os.environ.get(AGENT_DOORBELL_ENV)
+    if not name:
+        return
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC) as bell:
+            bell.sendto(b"!", socket_address(name))
+    except OSError:
+        pass  # no agent listens (it is gone, or polls instead), or its queue is full of rings already
 
 
 class long_operation:

@@ -230,6 +230,7 @@ def _next_round(link: RoundLink, exc: Exception) -> Offer | None:
     """The round to re-enter after `main` raised `exc` (None: the error is the worker's end)."""
     if link.pending():
         return link.take(0)
+    channel.ring_agent()  # its error file is written: the agent reports the failure now, not at its next poll
     if not isinstance(exc, RuntimeError):  # torch.distributed's errors are; a bug in the script usually is not
         return None
     logger.warning(

@@ -5,8 +5,10 @@ lifecycle and applying the rules' actions.
 
 Threads and what they own:
 - the main thread runs `Agent.run`: it owns the current `RoundRun`, the workers, and every write an agent makes
-  (but stall reports); it wakes on a change in the watched `state/ctl/` range, on a signal, and every
-  `--monitor-interval` to poll its workers (which costs etcd nothing);
+  (but stall reports); it wakes on a change in the watched `state/ctl/` range, on a signal, when a worker exits
+  or rings (`launcher.workers.wakeups`), and every `--monitor-interval` to poll its workers (which costs etcd
+  nothing);
+- a `WorkerWakeups` thread waits on the workers' exits and the doorbell they ring;
 - a `LeaseKeeper` thread refreshes the lease; when etcd no longer has it, it wakes the main thread, which
   rejoins as a newcomer. When etcd has not confirmed the lease for most of its TTL (this node is cut off, or
   was stopped), the main thread fences itself: it kills its workers before the others can have formed a
@@ -14,7 +16,7 @@ Threads and what they own:
 - the etcd client's watch thread applies changes to the `RangeMirror`;
 - a `RoundReporter` writes stall and progress reports from a thread of its own;
 - while this agent holds the controller key, a `Controller` thread decides rounds (`launcher.node.controller_seat`).
-Stopping: the main thread stops the controller and the keeper; all other threads are daemons.
+Stopping: the main thread stops the controller, the keeper and the wake-ups; all other threads are daemons.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from launcher.rendezvous.records import (
 from launcher.workers.environment import node_worker_env
 from launcher.workers.group import WorkerGroup
 from launcher.workers.standby import StandbyWorkers
+from launcher.workers.wakeups import WorkerWakeups
 from launcher.workers.warm_pool import WarmPool
 
 logger = logging.getLogger(__name__)
@@ -94,6 +97,8 @@ class Agent:
         self.signal_received: int | None = None
         self.mirror = RangeMirror(self.client, self.store.keys.ctl)  # state/ctl/, started by run
         self.liveness = LivenessServer(self.addr)  # answers the controller's probes while this agent lives
+        # a worker's exit or its ring wakes the loop, which otherwise looks at the workers every monitor_interval
+        self.wakeups = WorkerWakeups(config.node_id, self.mirror.poke)
         self.memory_dir = node_memory.node_memory_dir(config.rdzv_id, config.node_id)  # workers' snapshots
         self.warm = _warm_pool(config, self.addr)
         standby = StandbyWorkers(config, self.warm) if self.warm is not None else None
@@ -139,6 +144,7 @@ class Agent:
             if self._me is not None:
                 self._me.keeper.stop()
             self.liveness.stop()
+            self.wakeups.close()
             self._writer.shutdown(wait=False, cancel_futures=True)
             self.mirror.close()
             node_memory.remove(self.memory_dir)
@@ -213,6 +219,7 @@ class Agent:
             except EtcdUnavailable as exc:
                 # every action is safe to repeat: a pending report or an unstarted round is retried next time
                 logger.debug("etcd call failed, retrying: %s", exc)
+            self.wakeups.watch(self.workers.pids())
             self.mirror.wait(seen, self.config.monitor_interval)
 
     def step(self, view: JobView) -> None:

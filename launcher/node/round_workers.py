@@ -109,6 +109,10 @@ class RoundWorkers:
             self.group.stop_all_but_reentrant()  # at once, as without --inprocess: they take no part any more
             self.retired, self.group = self.group, None
 
+    def pids(self) -> list[int]:
+        """The processes of this round's workers and of those kept for the next one (their supervisors)."""
+        return [pid for group in (self.group, self.retired) if group is not None for pid in group.pids()]
+
     def reporting_hang(self) -> bool:
         """Our watchdog is killing a hung worker: the roll call is answered with that failure, not before it."""
         return self.group is not None and self.group.reporting_hang()

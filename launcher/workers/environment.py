@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from elastic.channel import HEARTBEAT_ENV
+from elastic.channel import AGENT_DOORBELL_ENV, HEARTBEAT_ENV
 from elastic.node_memory import MEMORY_DIR_ENV, node_memory_dir
 from elastic.rounds import ROUND_WAIT_ENV, STANDBY_ENV
 from launcher.config import LaunchConfig
 from launcher.rendezvous.records import MasterRecord, Member, RoundHeader
 from launcher.workers.network import gloo_interface_env
+from launcher.workers.wakeups import doorbell_address
 
 ERROR_FILE = "error.json"  # TORCHELASTIC_ERROR_FILE, in the worker's attempt folder
 HEARTBEAT_FILE = "heartbeat"  # the worker's channel (elastic.channel), next to its error file
@@ -55,8 +56,8 @@ def standby_env(config: LaunchConfig, node_env: dict[str, str], local_rank: int)
 def worker_env(
     config: LaunchConfig, round_: RoundHeader, member: Member, master: MasterRecord, local_rank: int, error_file: Path
 ) -> dict[str, str]:
-    """The variables torchrun sets for a worker, plus ELASTIC_ROUND, ELASTIC_HEARTBEAT_FILE, ELASTIC_MEMORY_DIR and
-    ELASTIC_ROUND_WAIT."""
+    """The variables torchrun sets for a worker, plus ELASTIC_ROUND, ELASTIC_HEARTBEAT_FILE, ELASTIC_MEMORY_DIR,
+    ELASTIC_ROUND_WAIT and ELASTIC_AGENT_DOORBELL."""
     rank = member.first_rank + local_rank
     env = _round_free_env(config, node_worker_env(member.addr, member.nproc), local_rank, member.nproc, member.node)
     env.update(
@@ -99,4 +100,5 @@ def _round_free_env(
     # under elastic.run, how long a worker whose collective failed waits for the round that replaces the lost
     # peer: the peer's lease must expire first, then the round is handed over
     env[ROUND_WAIT_ENV] = f"{config.rdzv.lease_ttl + config.inprocess_timeout:g}"
+    env[AGENT_DOORBELL_ENV] = doorbell_address(config.node_id)  # wakes the agent (launcher.workers.wakeups)
     return env

@@ -378,6 +378,9 @@ class WorkerGroup:
             self.watchdog.inprocess(r) for r in range(len(self.processes))
         )
 
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
     def stall(self) -> Stall | None:
         """Every worker silent for several of its step intervals, as of the last poll (watchdog_rules.stall_of)."""
         return self.watchdog.stall

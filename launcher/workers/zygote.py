@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _PROGRAM = str(Path(__file__).with_name("warm_interpreter.py"))
 FORK_TIMEOUT_S = 10.0  # a fork answers in milliseconds; past this the zygote is taken for stuck
+EXIT_REPORT_S = 0.05  # the zygote reports a supervisor's exit within a millisecond of it; this is ample
 _GONE = -9  # the exit code of a supervisor whose zygote died before reporting it: it was killed with it
 
 
@@ -91,12 +92,16 @@ class Zygote:
     def exit_code(self, pid: int) -> int | None:
         """The exit code of supervisor `pid` once it exited (None while it runs)."""
         self.collect(0)
+        if pid not in self._exits and not is_running(pid):
+            # it exited, and the zygote reaps it and reports its code at once: the agent woke on that exit
+            # (launcher.workers.wakeups), and without the code would see the worker running until its next poll
+            deadline = time.monotonic() + EXIT_REPORT_S
+            while pid not in self._exits and self.alive() and time.monotonic() < deadline:
+                self.collect(deadline - time.monotonic())
+            if pid not in self._exits and not self.alive():
+                return _GONE
         with self._lock:
-            if pid in self._exits:
-                return self._exits.pop(pid)
-        if not self.alive() and not is_running(pid):
-            return _GONE
-        return None
+            return self._exits.pop(pid, None)
 
     def collect(self, timeout_s: float) -> None:
         """Read what the zygote said, waiting at most `timeout_s` for the first message."""
