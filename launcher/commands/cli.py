@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--monitor-interval",
         dest="monitor_interval",
         default=_default("monitor_interval"),
-        help="seconds between worker checks",
+        help="seconds between worker checks (a worker's exit, or its ring when main raised, is checked at once)",
     )
     add(
         "--start-method",

@@ -51,7 +51,8 @@ class WorkerWakeups:
         self._lock = threading.Lock()
         self._pidfds: dict[int, int] = {}  # pid -> its pidfd, registered with the epoll
         self._pids_by_fd: dict[int, int] = {}
-        self._exited: set[int] = set()  # watched pids whose exit woke the agent: not watched again
+        # pids not to watch again: their exit woke the agent already, or they cannot be watched
+        self._done: set[int] = set()
         self._epoll: select.epoll | None = None
         self._doorbell: socket.socket | None = None
         self._stop_r, self._stop_w = -1, -1
@@ -69,16 +70,16 @@ class WorkerWakeups:
         with self._lock:
             for pid in [pid for pid in self._pidfds if pid not in wanted]:
                 self._forget(pid)
-            self._exited &= wanted
-            for pid in wanted - self._pidfds.keys() - self._exited:
+            self._done &= wanted
+            for pid in wanted - self._pidfds.keys() - self._done:
                 try:
                     fd = os.pidfd_open(pid)
-                except ProcessLookupError:
-                    self._exited.add(pid)
-                    self._wake()  # gone already: the next poll sees how it ended
-                    continue
                 except OSError as exc:
-                    logger.debug("no pidfd for worker %d (%s): its exit is seen at a poll", pid, exc)
+                    self._done.add(pid)
+                    if isinstance(exc, ProcessLookupError):
+                        self._wake()  # gone already: the next poll sees how it ended
+                    else:  # a kernel before 5.3
+                        logger.debug("no pidfd for worker %d (%s): its exit is seen at a poll", pid, exc)
                     continue
                 self._pidfds[pid], self._pids_by_fd[fd] = fd, pid
                 self._epoll.register(fd, select.EPOLLIN)
@@ -116,7 +117,7 @@ class WorkerWakeups:
                     pid = self._pids_by_fd.get(fd)
                     if pid is not None:  # else the agent's thread forgot it meanwhile
                         self._forget(pid)
-                        self._exited.add(pid)
+                        self._done.add(pid)
                         woken = True
             if woken:
                 self._wake()
