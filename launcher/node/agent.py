@@ -220,7 +220,14 @@ class Agent:
                 # every action is safe to repeat: a pending report or an unstarted round is retried next time
                 logger.debug("etcd call failed, retrying: %s", exc)
             self.wakeups.watch(self.workers.pids())
-            self.mirror.wait(seen, self.config.monitor_interval)
+            self.mirror.wait(seen, self._wait_s())
+
+    def _wait_s(self) -> float:
+        """How long the loop may sleep without news: a monitor interval, less where a controller claim falls due."""
+        due = self.seat.claim_due()
+        if due is None:
+            return self.config.monitor_interval
+        return max(0.0, min(self.config.monitor_interval, due - time.monotonic()))
 
     def step(self, view: JobView) -> None:
         """Apply the rules' actions for this view until none is left (each kind once)."""

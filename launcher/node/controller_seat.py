@@ -62,6 +62,11 @@ class ControllerSeat:
             self._claim_at = None
             self.claim(lease_id)
 
+    def claim_due(self) -> float | None:
+        """When (time.monotonic()) `claim_when_free` means to claim the free controller key; None: no claim pending.
+        The agent's loop wakes by then: until a standby claims it, no one decides the next round."""
+        return self._claim_at
+
     def check(self, encoded_holder: str, stalled: bool, own: NodeRecord) -> None:
         """Our workers failed, maybe because the controller's node died with its workers, or they are `stalled`,
         maybe because it stopped: then nobody would act on our report until its lease ended. Probe its agent and

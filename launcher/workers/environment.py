@@ -100,5 +100,5 @@ def _round_free_env(
     # under elastic.run, how long a worker whose collective failed waits for the round that replaces the lost
     # peer: the peer's lease must expire first, then the round is handed over
     env[ROUND_WAIT_ENV] = f"{config.rdzv.lease_ttl + config.inprocess_timeout:g}"
-    env[AGENT_DOORBELL_ENV] = doorbell_address(config.node_id)  # wakes the agent (launcher.workers.wakeups)
+    env[AGENT_DOORBELL_ENV] = doorbell_address(node)  # wakes the agent (launcher.workers.wakeups)
     return env

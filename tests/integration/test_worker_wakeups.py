@@ -140,25 +140,30 @@ def test_a_killed_worker_is_seen_at_its_exit_not_at_the_next_poll(cluster):
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_a_survivor_whose_collective_failed_rings_its_agent(cluster):
-    """Node b is SIGKILLed. Node a's workers, under elastic.run, fail in their collective and wait for the next
-    round: they ring their agent, which reports the failure, and the controller finds b gone. The lease (10 s)
-    and the poll (a minute) are both far away."""
+@pytest.mark.parametrize("victim_role", ["member", "controller"])
+def test_a_survivor_whose_collective_failed_rings_its_agent(cluster, victim_role):
+    """One of two nodes is SIGKILLed. The survivor's worker, under elastic.run, fails in its collective and waits
+    for the next round: it rings its agent, which reports the failure; the controller finds the dead node gone, or,
+    when the dead node held the controller, the survivor deposes it and claims the seat without waiting for a poll.
+    The lease (10 s) and the poll (a minute) are both far away."""
     long_lease = FAST_RDZV.replace(
         "keep_alive_interval=0.5,keep_alive_max_attempt=3", "keep_alive_interval=2,keep_alive_max_attempt=5"
     )
     probe = cluster.probe(400, 0.05, "--inprocess")
-    a = cluster.start("a", probe, nnodes="1:2", nproc=1, rdzv_conf=long_lease, extra=SLOW_POLL)
-    b = cluster.start("b", probe, nnodes="1:2", nproc=1, rdzv_conf=long_lease, extra=SLOW_POLL)
+    agents = {n: cluster.start(n, probe, nnodes="1:2", nproc=1, rdzv_conf=long_lease, extra=SLOW_POLL) for n in "ab"}
     cluster.wait_for_world(2, timeout=90)
+    controller = cluster.controller()
+    victim = next(n for n in agents if (n == controller) == (victim_role == "controller"))
+    survivor = next(n for n in agents if n != victim)
     killed_at = time.time()
-    os.killpg(b.pid, signal.SIGKILL)
+    os.killpg(agents[victim].pid, signal.SIGKILL)
     again = cluster.wait_for_world(1, timeout=30, after=killed_at)
     cluster.stop_training()
-    assert a.wait(timeout=60) == 0, cluster.dump()
-    failed = next(e for e in cluster.events("worker_failed") if e["time"] > killed_at and e["node"] == "a")
+    assert agents[survivor].wait(timeout=60) == 0, cluster.dump()
+    failed = next(e for e in cluster.events("worker_failed") if e["time"] > killed_at and e["node"] == survivor)
     print(
-        f"\nnode SIGKILLed: the survivor's worker_failed {failed['time'] - killed_at:.2f}s and the first "
-        f"collective at world 1 {again['time'] - killed_at:.2f}s after the kill (lease 10 s, --monitor-interval 60)"
+        f"\nthe {victim_role}'s node SIGKILLed: the survivor's worker_failed {failed['time'] - killed_at:.2f}s and the "
+        f"first collective at world 1 {again['time'] - killed_at:.2f}s after the kill (lease 10 s, "
+        "--monitor-interval 60)"
     )
     assert again["time"] - killed_at < 8, cluster.dump()
