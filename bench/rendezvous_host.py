@@ -224,6 +224,9 @@ class NoopWorkerGroup:
     def pids(self) -> list[int]:
         return []
 
+    def next_look_at(self) -> None:
+        return None  # no workers, nothing to look at
+
     def stall(self) -> None:
         return None  # no workers, never stalled
 

@@ -60,6 +60,7 @@ from launcher.workers.warm_pool import WarmPool
 
 logger = logging.getLogger(__name__)
 
+_PAST_THRESHOLD_S = 0.002  # how long after a due moment the loop looks
 _ETCD_WARN_AFTER_S = 2.0
 
 
@@ -223,11 +224,12 @@ class Agent:
             self.mirror.wait(seen, self._wait_s())
 
     def _wait_s(self) -> float:
-        """How long the loop may sleep without news: a monitor interval, less where a controller claim falls due."""
-        due = self.seat.claim_due()
-        if due is None:
+        """How long the loop may sleep without news: a monitor interval, less where a controller claim falls due
+        or a silent worker's verdict may change (just past its threshold: a silence is judged by `>`)."""
+        due = [at for at in (self.seat.claim_due(), self.workers.next_look_at()) if at is not None]
+        if not due:
             return self.config.monitor_interval
-        return max(0.0, min(self.config.monitor_interval, due - time.monotonic()))
+        return max(0.0, min(self.config.monitor_interval, min(due) + _PAST_THRESHOLD_S - time.monotonic()))
 
     def step(self, view: JobView) -> None:
         """Apply the rules' actions for this view until none is left (each kind once)."""

@@ -113,6 +113,10 @@ class RoundWorkers:
         """The processes of this round's workers and of those kept for the next one (their supervisors)."""
         return [pid for group in (self.group, self.retired) if group is not None for pid in group.pids()]
 
+    def next_look_at(self) -> float | None:
+        """When (time.monotonic()) this round's watchdog wants its workers looked at next (None: nothing due)."""
+        return self.group.next_look_at() if self.group is not None else None
+
     def reporting_hang(self) -> bool:
         """Our watchdog is killing a hung worker: the roll call is answered with that failure, not before it."""
         return self.group is not None and self.group.reporting_hang()

@@ -381,6 +381,10 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
+    def next_look_at(self) -> float | None:
+        """When (time.monotonic()) a silent worker's verdict may change next (None: nothing is due)."""
+        return self.watchdog.next_look_at()
+
     def stall(self) -> Stall | None:
         """Every worker silent for several of its step intervals, as of the last poll (watchdog_rules.stall_of)."""
         return self.watchdog.stall

@@ -115,7 +115,9 @@ class WorkerWakeups:
                     continue
                 with self._lock:
                     pid = self._pids_by_fd.get(fd)
-                    if pid is not None:  # else the agent's thread forgot it meanwhile
+                    # None: the agent's thread forgot it meanwhile; not readable now: an event of an fd closed
+                    # meanwhile, its number since reused by a pidfd of a worker that runs
+                    if pid is not None and select.select([fd], [], [], 0)[0]:
                         self._forget(pid)
                         self._done.add(pid)
                         woken = True

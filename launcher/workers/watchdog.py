@@ -40,7 +40,16 @@ from launcher.workers.process_tree import (
     parent_pid,
     signal_group,
 )
-from launcher.workers.watchdog_rules import STALL_MIN_S, Hang, Policy, Stall, StartupHistory, WorkerWatch, stall_of
+from launcher.workers.watchdog_rules import (
+    STALL_MIN_S,
+    Hang,
+    Policy,
+    Stall,
+    StartupHistory,
+    WorkerWatch,
+    next_threshold,
+    stall_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +154,15 @@ class Watchdog:
                     for w, p in zip(self.workers, processes)
                 ]
             )
+
+    def next_look_at(self) -> float | None:
+        """When (this watchdog's clock) a silent worker's verdict may change next: the agent looks then
+        (`watchdog_rules.next_threshold`). None: nothing is due, or the watchdog is off."""
+        if self.policy is None:
+            return None
+        now = self.clock()
+        due = [next_threshold(w.watch, self.policy, now) for w in self.workers if w.hang is None]
+        return min((at for at in due if at is not None), default=None)
 
     def stopped(self, processes: list[WorkerProcess]) -> list[int]:
         """The local ranks of the running workers whose process is stopped (SIGSTOP): they answer nothing."""

@@ -176,6 +176,24 @@ def stall_of(workers: Sequence[tuple[float, channel.Snapshot | None, float | Non
     )
 
 
+def next_threshold(watch: WorkerWatch, policy: Policy, now: float) -> float | None:
+    """The next moment after `now` (the agent's monotonic clock) at which the worker's silence passes a threshold
+    these rules judge by (None: none ahead, or no sign of life seen yet): where its channel is first read, its
+    stall allowance, its allowance. Looking then, not at the next poll, finds a stall or a hang without a
+    monitor interval's delay; a threshold that changes no verdict costs one look."""
+    if watch.active_at is None:
+        return None
+    thresholds = [min(policy.floor, STALL_MIN_S)]
+    snapshot = watch.current()
+    if snapshot is not None:
+        stalled_after = stall_allowance(snapshot.intervals)
+        if stalled_after is not None:
+            thresholds.append(stalled_after)
+        thresholds.append(allowance(policy, snapshot.intervals, snapshot.long_op))
+    ahead = [watch.active_at + seconds for seconds in thresholds if watch.active_at + seconds > now]
+    return min(ahead, default=None)
+
+
 @dataclass(frozen=True)
 class Hang:
     """A worker found silent past its allowance, at unix time `at`."""

@@ -35,6 +35,7 @@ from launcher.workers.watchdog_rules import (
     StartupHistory,
     WorkerWatch,
     allowance,
+    next_threshold,
     parse_timeout,
     stall_allowance,
     stall_of,
@@ -116,6 +117,21 @@ def test_a_stall_is_a_few_slow_steps_of_silence_and_never_under_half_a_second():
     assert stall_allowance(([0.2] * 4 + [2.0]) * 20) == pytest.approx(4.0)
 
 
+@pytest.mark.timeout(10)
+def test_the_next_threshold_is_where_a_silence_is_judged_next():
+    watch = WorkerWatch()
+    assert next_threshold(watch, AUTO, now=0.0) is None, "no sign of life seen: nothing to judge"
+    watch.observe(7, now=10.0)
+    assert next_threshold(watch, AUTO, now=10.1) == pytest.approx(10.0 + STALL_MIN_S), "where the channel is read"
+    assert next_threshold(watch, fixed(0.3), now=10.1) == pytest.approx(10.3), "a shorter allowance reads sooner"
+    watch.snapshot = snapshot(7, 5, intervals=[0.2, 0.4, 0.3])
+    assert next_threshold(watch, AUTO, now=10.6) == pytest.approx(10.8), "read: then its stall allowance (2 x 0.4)"
+    assert next_threshold(watch, AUTO, now=10.9) == pytest.approx(10.0 + 60.0), "then its allowance"
+    assert next_threshold(watch, AUTO, now=71.0) is None, "every threshold passed: the polls go on"
+    watch.observe(8, now=11.0)
+    assert next_threshold(watch, AUTO, now=11.0) == pytest.approx(11.0 + STALL_MIN_S), "a new sign of life"
+
+
 SAVING = channel.LongOp("checkpoint save", None)
 
 
@@ -171,9 +187,11 @@ def test_the_watchdog_finds_its_workers_stalled_once_they_stop_beating(tmp_path)
             for writer in writers:
                 writer.beat(step)
             watchdog.check(running)
+        assert watchdog.next_look_at() == pytest.approx(clock.now + STALL_MIN_S), "its channels read then"
         clock.now += 0.55
         watchdog.check(running)
         assert watchdog.stall is None, "0.55 s of silence, under 2 x the 0.3 s steps"
+        assert watchdog.next_look_at() == pytest.approx(clock.now + 0.05), "stalled past 2 x 0.3 s of silence"
         clock.now += 0.1
         watchdog.check(running)
         assert watchdog.stall == Stall(seconds_silent=pytest.approx(0.65), last_step=3)
