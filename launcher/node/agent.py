@@ -6,8 +6,9 @@ lifecycle and applying the rules' actions.
 Threads and what they own:
 - the main thread runs `Agent.run`: it owns the current `RoundRun`, the workers, and every write an agent makes
   (but stall reports); it wakes on a change in the watched `state/ctl/` range, on a signal, when a worker exits
-  or rings (`launcher.workers.wakeups`), and every `--monitor-interval` to poll its workers (which costs etcd
-  nothing);
+  or rings (`launcher.workers.wakeups`), when a silent worker's silence passes a threshold of its watchdog or a
+  claim of the controller key falls due (`_wait_s`), and every `--monitor-interval` to poll its workers (which
+  costs etcd nothing);
 - a `WorkerWakeups` thread waits on the workers' exits and the doorbell they ring;
 - a `LeaseKeeper` thread refreshes the lease; when etcd no longer has it, it wakes the main thread, which
   rejoins as a newcomer. When etcd has not confirmed the lease for most of its TTL (this node is cut off, or
