@@ -91,6 +91,8 @@ class Miss:
     # the agent is certainly gone (refused, or a newer agent answers): a timeout is not proof, since an
     # agent flooded with probes answers late too
     certain: bool
+    # nothing came back within the timeout (not refused, not another incarnation): judged against the peers
+    silent: bool = False
 
 
 def probe(addr: str, port: int, incarnation: int, timeout: float) -> Miss | None:
@@ -103,7 +105,7 @@ def probe(addr: str, port: int, incarnation: int, timeout: float) -> Miss | None
     except ConnectionRefusedError:
         return Miss("liveness probe refused: the agent is gone", certain=True)
     except TimeoutError:
-        return Miss(f"no answer to a liveness probe within probe_timeout={timeout:g}s", certain=False)
+        return Miss(f"no answer to a liveness probe within probe_timeout={timeout:g}s", certain=False, silent=True)
     except OSError as exc:
         return Miss(f"liveness probe failed: {exc.strerror or exc}", certain=False)
     if answer != f"{incarnation:x}":
@@ -167,7 +169,10 @@ def probe_all(suspects: dict[str, Target], peers: dict[str, Target], timeout: fl
             for future in done:
                 node = pending.pop(future)
                 miss, took = future.result()
-                if node in suspects and miss is not None:
+                if node in suspects and miss is not None and miss.silent:
+                    # its own timeout fell due with the peers' deadline and woke us first: the same verdict
+                    silent[node] = took
+                elif node in suspects and miss is not None:
                     misses[node] = miss
                 elif node in peers and miss is None:
                     answered_in.append(took)
@@ -178,7 +183,7 @@ def probe_all(suspects: dict[str, Target], peers: dict[str, Target], timeout: fl
                     f"{silent_for:.2f}s, while {len(answered_in)} other member(s) answered within "
                     f"{max(answered_in):.3f}s ({within})"
                 )
-            misses[node] = Miss(f"no answer to a liveness probe within {within}", certain=False)
+            misses[node] = Miss(f"no answer to a liveness probe within {within}", certain=False, silent=True)
         return misses
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a probe left running ends within its own timeout
