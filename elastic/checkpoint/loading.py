@@ -133,24 +133,33 @@ def load_folder(
     state: dict[str, Any],
     saved_world_size: int | None,
     reader: type[CheckpointReader] = CheckpointReader,
+    prepare: Callable[[], object] | None = None,
 ) -> None:
     """Load the DCP checkpoint of ``step`` in ``folder`` (a committed step-<N>, or a snapshot in memory, read
     with its own ``reader``) into ``state``, in place, at this world size. Whether each entry is loaded or
     regenerated from ``step`` is decided alike on every rank (entry_rules.py) from every rank's view of it and
     the world size the checkpoint was saved at (``saved_world_size``, None when unknown); an entry the
-    checkpoint cannot serve raises CheckpointError on every rank, before any rank loads."""
+    checkpoint cannot serve raises CheckpointError on every rank, before any rank loads. ``prepare`` runs first
+    on every rank (a snapshot's files gathered into ``folder``); a failure there or in reading the metadata
+    raises RankFailure on every rank. One collective before DCP's load: at a change of round each costs every
+    rank a wait for the slowest (about 13 ms at 6 ranks on 2 cores)."""
     dicts = state_dicts(state)
-    saved_keys = _keys_by_entry(reader(folder).read_metadata().state_dict_metadata, dicts)
-    recorded: dict[str, tuple[tuple[str, int], ...]] = {}
-    if any(is_world_size_key(key) for keys in saved_keys.values() for key in keys):
-        recorded = ranks.agree(
-            lambda: _recorded_world_sizes(folder, reader, saved_keys),
-            f"reading the world sizes recorded in {folder}",
-            only_rank0=True,
-        )
-    views: list[dict[str, RankView]] = ranks.gather(
-        {name: _view(state[name], name, value, saved_keys[name]) for name, value in dicts.items()}
-    )
+    saved_keys: dict[str, list[str]] = {}
+
+    def look() -> tuple[dict[str, RankView], dict[str, tuple[tuple[str, int], ...]]]:
+        """This rank's view of each entry; on rank 0, the world sizes the checkpoint recorded too."""
+        if prepare is not None:
+            prepare()
+        saved_keys.update(_keys_by_entry(reader(folder).read_metadata().state_dict_metadata, dicts))
+        recorded = {}
+        if ranks.rank == 0 and any(is_world_size_key(key) for keys in saved_keys.values() for key in keys):
+            recorded = _recorded_world_sizes(folder, reader, saved_keys)
+        views = {name: _view(state[name], name, value, saved_keys[name]) for name, value in dicts.items()}
+        return views, recorded
+
+    looks = ranks.each(look, f"loading {folder}")
+    views = [rank_views for rank_views, _ in looks]
+    recorded = looks[0][1]
     decisions = {
         name: decide(
             name,

@@ -29,9 +29,9 @@ from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.fence import Fence, claim
 from elastic.checkpoint.global_values import PerRankStateError, reject_per_rank_values
 from elastic.checkpoint.integrity import verify_readable
-from elastic.checkpoint.layout import scan, step_dir
+from elastic.checkpoint.layout import CheckpointEntry, scan, step_dir
 from elastic.checkpoint.loading import load_newest, state_dicts
-from elastic.checkpoint.memory import MemorySnapshots
+from elastic.checkpoint.memory import Inventory, MemorySnapshots, found_in, node_of
 from elastic.checkpoint.ranks import RankFailure, Ranks, describe_error
 from elastic.checkpoint.retention import prune
 from elastic.checkpoint.saver import AttemptSaver, SaveInFlight
@@ -89,10 +89,13 @@ class CheckpointManager:
         self._fence: Fence | None = None
         self._owns_group = process_group is None
         self._ranks = Ranks.dedicated(process_group)
-        # drains agree every step on a group of their own: the checkpoint group may be busy in a background save
-        self._drains = Drains(Ranks.dedicated(None).group)
+        # drains agree every step, and memory snapshots are taken, on a group of their own: the checkpoint group
+        # may be busy in a background save. Both act in the training thread, one after the other: one group
+        # serves both (each group costs a rendezvous of every rank at every change of round)
+        in_step = Ranks.dedicated(None)
+        self._drains = Drains(in_step.group)
         self._drain = 0  # the drain the next save answers
-        self._memory = self._memory_snapshots() if memory_every else None
+        self._memory = self._memory_snapshots(in_step) if memory_every else None
         self._memory_step: int | None = None  # the step should_save chose a memory snapshot for
         self._memory_only = False  # and whether that step is not also saved to disk
         self._saver = AttemptSaver(self._ranks, in_background=async_save)
@@ -263,12 +266,13 @@ class CheckpointManager:
         self._verified.add(attempt.id)
         self._prune()
 
-    def _memory_snapshots(self) -> MemorySnapshots | None:
-        """Snapshots in the memory elastic-run's agents hold, when every rank runs under one (collective)."""
-        snapshots = Ranks.dedicated(None)
+    def _memory_snapshots(self, snapshots: Ranks) -> MemorySnapshots | None:
+        """Snapshots in the memory elastic-run's agents hold, taken on ``snapshots``, when every rank runs under
+        one (collective)."""
         copies = Ranks.dedicated(None)
         root = memory_dir_from_env()
-        if not all(snapshots.gather(root is not None)):
+        nodes = snapshots.gather(None if root is None else node_of(root))
+        if root is None or None in nodes:
             if snapshots.rank == 0:
                 logger.warning(
                     "memory_every=%d: no snapshots in memory, since %s is not set on every rank (elastic-run sets "
@@ -277,19 +281,27 @@ class CheckpointManager:
                     MEMORY_DIR_ENV,
                 )
             return None
-        assert root is not None
-        return MemorySnapshots(root, snapshots, copies.group)
+        return MemorySnapshots(root, snapshots, copies.group, nodes)
 
     def _load_from_memory(self, state: dict[str, Any]) -> int | None:
-        """Load the newest memory snapshot if no committed checkpoint is newer; its step, else None."""
-        assert self._memory is not None
-        found = self._memory.newest()
-        entries = self._ranks.agree(lambda: scan(self.directory), f"listing {self.directory}", only_rank0=True)
+        """Load the newest memory snapshot if no committed checkpoint is newer; its step, else None. The nodes'
+        inventories and the directory's listing are gathered in one collective."""
+        memory = self._memory
+        assert memory is not None
+        ranks = self._ranks
+
+        def look() -> tuple[Inventory | None, list[CheckpointEntry] | None]:
+            return memory.inventory(), scan(self.directory) if ranks.rank == 0 else None
+
+        looks = ranks.each(look, f"listing {self.directory} and the snapshots in memory")
+        found = found_in([inventory for inventory, _ in looks])
+        entries = looks[0][1]
+        assert entries is not None
         committed = [entry for entry in entries if entry.committed]
         if found is None or (committed and committed[-1].step > found.step):
             return None
         try:
-            self._memory.load(found, state)
+            memory.load(found, state)
         except (RankFailure, CheckpointException) as error:  # raised on every rank; the disk load overwrites all
             logger.warning("could not load step %d from memory (%s); loading from disk", found.step, error)
             return None

@@ -110,6 +110,18 @@ def newest_loadable(inventories: list[Inventory]) -> SnapshotRecord | None:
     return None
 
 
+def found_in(gathered: list[Inventory | None]) -> Found | None:
+    """The newest snapshot the nodes can assemble, from every rank's ``MemorySnapshots.inventory()``."""
+    inventories = [inventory for inventory in gathered if inventory is not None]
+    record = newest_loadable(inventories)
+    return None if record is None else Found(record, inventories)
+
+
+def node_of(root: Path) -> str:
+    """What names a node among the ranks: its host, and the folder its agent keeps snapshots in."""
+    return f"{socket.gethostname()}:{root.resolve()}"
+
+
 def plan_transfers(record: SnapshotRecord, leaders: list[int], inventories: list[Inventory]) -> list[Transfer]:
     """What each node lacks of ``record`` (its data files and its metadata), each file sent by the first node
     in rank order that holds it; ``leaders[i]`` is the rank that speaks for the node of ``inventories[i]``."""
@@ -132,12 +144,12 @@ def plan_transfers(record: SnapshotRecord, leaders: list[int], inventories: list
 class MemorySnapshots:
     """The snapshots of this job in its nodes' shared memory; every method is a collective of all ranks."""
 
-    def __init__(self, root: Path, ranks: Ranks, copy_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, root: Path, ranks: Ranks, copy_group: dist.ProcessGroup | None, nodes: list[str]) -> None:
+        """``nodes``: every rank's ``node_of`` its root, gathered. Ranks of one node (one host, one folder) share
+        its files; its lowest rank (the leader) writes them."""
         self.root = root
         self._ranks = ranks
         self._copy_group = copy_group
-        # ranks on one host with one folder are one node; its lowest rank (the leader) writes the node's shared files
-        nodes = ranks.gather(f"{socket.gethostname()}:{root.resolve()}")
         self._leaders = sorted({nodes.index(node) for node in nodes})
         self.leader = nodes.index(nodes[ranks.rank])
         self._node_files = {data_file(rank) for rank, node in enumerate(nodes) if node == nodes[ranks.rank]}
@@ -204,23 +216,21 @@ class MemorySnapshots:
             error, self._copy_error = self._copy_error, None
             logger.warning("could not copy the last memory snapshot to the next node: %s", error)
 
-    def newest(self) -> Found | None:
-        """The newest snapshot the nodes can assemble between them (every rank gets the same answer)."""
-        inventories = self._inventories()
-        record = newest_loadable(inventories)
-        return None if record is None else Found(record, inventories)
-
     def load(self, found: Found, state: dict[str, Any]) -> None:
-        """Gather the files of the snapshot ``newest`` found on every node, then load it into ``state`` at this
-        world size. Call it before the next save, which may write over what the inventories list."""
+        """Gather the files of the snapshot ``found`` (``found_in``) on every node, then load it into ``state`` at
+        this world size. Call it before the next save, which may write over what the inventories list."""
         started = time.monotonic()
         record = found.record
         folder = self._own(record.step)
-        self._ranks.agree(
-            lambda: self._assemble(record, folder, found.inventories),
-            f"gathering the memory snapshot of step {record.step}",
+        load_folder(
+            self._ranks,
+            folder,
+            record.step,
+            state,
+            record.world_size,
+            SnapshotReader,
+            prepare=lambda: self._assemble(record, folder, found.inventories),
         )
-        load_folder(self._ranks, folder, record.step, state, record.world_size, SnapshotReader)
         logger.info(
             "loaded step %d from memory (saved by %d ranks, now %d) in %.2fs",
             record.step,
@@ -276,7 +286,8 @@ class MemorySnapshots:
             if step != newest:
                 shutil.rmtree(self._own(step), ignore_errors=True)
 
-    def _inventory(self) -> Inventory | None:
+    def inventory(self) -> Inventory | None:
+        """What this node holds (its leader answers; the other ranks None), for ``found_in``."""
         if not self.is_leader:
             return None
         records = []
@@ -294,10 +305,6 @@ class MemorySnapshots:
         for folder in peers.iterdir() if peers.is_dir() else ():
             files.setdefault(folder.name, {}).update(_whole_files(folder, None))
         return Inventory(tuple(records), files)
-
-    def _inventories(self) -> list[Inventory]:
-        gathered = self._ranks.gather(self._inventory())
-        return [inventory for inventory in gathered if inventory is not None]
 
     def _assemble(self, record: SnapshotRecord, folder: Path, inventories: list[Inventory]) -> None:
         """Put every file of ``record`` into this node's ``folder``: links from its peer copy, the rest received

@@ -47,26 +47,37 @@ class Ranks:
             problem = describe_error(exc)
         return self.gather(problem)
 
-    def agree(self, action: Callable[[], T], what: str, only_rank0: bool = False) -> T:
-        """Run ``action`` on every rank (or on rank 0 only) and return rank 0's result on every rank.
+    def each(self, action: Callable[[], T], what: str) -> list[T]:
+        """Run ``action`` on every rank; every rank gets every rank's result, in one collective.
 
         If it failed anywhere, every rank raises RankFailure with the first failing rank's error, so no
         rank is left waiting in a collective that the others skipped.
         """
         result: Any = None
         error: str | None = None
-        if self.rank == 0 or not only_rank0:
-            try:
-                result = action()
-            except (Exception, CheckpointException) as exc:  # reported to every rank below, raised there
-                error = describe_error(exc)
-        outcomes = self.gather((error, result if self.rank == 0 else None))
+        try:
+            result = action()
+        except (Exception, CheckpointException) as exc:  # reported to every rank below, raised there
+            error = describe_error(exc)
+        outcomes = self.gather((error, result))
         failures = [(rank, message) for rank, (message, _) in enumerate(outcomes) if message is not None]
         if failures:
             rank, message = failures[0]
             where = "" if self.world_size == 1 else f" (rank {rank} of {self.world_size})"
             raise RankFailure(f"{what} failed{where}: {message}")
-        return outcomes[0][1]
+        return [result for _, result in outcomes]
+
+    def agree(self, action: Callable[[], T], what: str, only_rank0: bool = False) -> T:
+        """Run ``action`` on every rank (or on rank 0 only) and return rank 0's result on every rank; a failure
+        anywhere raises as in ``each``."""
+
+        def rank0s_result() -> Any:
+            if only_rank0 and self.rank != 0:
+                return None
+            result = action()
+            return result if self.rank == 0 else None  # the others' results are not sent
+
+        return self.each(rank0s_result, what)[0]
 
 
 def describe_error(error: BaseException) -> str:

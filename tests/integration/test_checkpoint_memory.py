@@ -26,7 +26,9 @@ from elastic.checkpoint.memory import (
     MemorySnapshots,
     SnapshotRecord,
     Transfer,
+    found_in,
     newest_loadable,
+    node_of,
     plan_transfers,
 )
 from elastic.checkpoint.ranks import Ranks
@@ -161,6 +163,24 @@ def test_reshard_from_memory_after_a_node_loss_equals_reshard_from_disk(tmp_path
     assert (Path(nodes[2]) / "own" / f"step-{SNAPSHOT_STEP}" / "snapshot.json").exists(), "node 2 was given the files"
 
 
+@pytest.mark.timeout(240)
+def test_a_snapshot_one_node_cannot_read_is_loaded_from_disk_on_every_rank(tmp_path: Path) -> None:
+    """Node 0's copy of the snapshot's metadata is damaged, node 1's is whole: node 0's ranks fail to read it and
+    node 1's do not, and every rank, not only node 0's, falls back to the disk checkpoint of the same step (the
+    ranks agree on the failure instead of node 1's waiting in a collective node 0's left)."""
+    disk = str(tmp_path / "disk")
+    nodes = [str(tmp_path / f"node{index}") for index in range(2)]
+    for node in nodes:
+        Path(node).mkdir()
+    expected = run_ranks(4, train_with_snapshots, disk, nodes)[0]
+    metadata = Path(nodes[0]) / "own" / f"step-{SNAPSHOT_STEP}" / METADATA
+    metadata.write_bytes(b"not a pickle" * 8)
+
+    loaded = run_ranks(4, load_after_loss, disk, nodes, True)
+    assert [step for step, _ in loaded] == [SNAPSHOT_STEP] * 4
+    assert_identical(loaded[0][1], expected)
+
+
 def save_two_steps(rank: int, world_size: int, disk: str, node: str, async_save: bool) -> list[int] | None:
     os.environ[MEMORY_DIR_ENV] = node
     model, optimizer = sharded(seed=0)
@@ -213,7 +233,7 @@ def test_a_new_snapshot_is_written_over_the_oldest_files_never_over_a_peer_copy(
     """Once KEEP are held, a snapshot takes the oldest one's folder and writes over its files in place; a file
     that is also a peer copy (a load linked it in) is replaced, not written over, and a file this node's ranks no
     longer write (of another rank, from a load) goes: in the new snapshot it would pass for that rank's part."""
-    snapshots = MemorySnapshots(tmp_path, Ranks(None), None)
+    snapshots = MemorySnapshots(tmp_path, Ranks(None), None, [node_of(tmp_path)])
     model = torch.nn.Linear(4, 4)
     state = {"model": ModelState(model)}
     own = tmp_path / "own"
@@ -238,7 +258,7 @@ def test_a_new_snapshot_is_written_over_the_oldest_files_never_over_a_peer_copy(
     saved = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.zero_()
-    newest = snapshots.newest()
+    newest = found_in([snapshots.inventory()])
     assert newest is not None and newest.step == 4
     snapshots.load(newest, state)
     assert torch.equal(model.weight, saved)
@@ -248,7 +268,7 @@ def test_a_snapshot_after_a_failed_copy_keeps_the_last_one_the_next_node_holds(t
     """The next node died while step 2's part was copied to it, after step 1's had arrived: preparing step 3 (which
     the dead node's peers may never complete) takes a new folder, so step 1 stays whole, the newest snapshot the
     survivors can assemble; once a copy succeeded again, the oldest folder is written over as before."""
-    snapshots = MemorySnapshots(tmp_path, Ranks(None), None)
+    snapshots = MemorySnapshots(tmp_path, Ranks(None), None, [node_of(tmp_path)])
     state = {"model": ModelState(torch.nn.Linear(4, 4))}
     own = tmp_path / "own"
     for step in (1, 2):
@@ -264,7 +284,7 @@ def test_a_snapshot_after_a_failed_copy_keeps_the_last_one_the_next_node_holds(t
 def test_a_snapshot_the_groups_were_aborted_during_does_not_count(tmp_path: Path, monkeypatch) -> None:
     """elastic.run aborts the groups when a new round is offered, and an NCCL collective the abort ended returns
     without error: a snapshot written meanwhile is not published, and the last one stays the newest."""
-    snapshots = MemorySnapshots(tmp_path, Ranks(None), None)
+    snapshots = MemorySnapshots(tmp_path, Ranks(None), None, [node_of(tmp_path)])
     state = {"model": ModelState(torch.nn.Linear(4, 4))}
     snapshots.save(1, state)
     write = SnapshotWriter.write_data
@@ -277,7 +297,7 @@ def test_a_snapshot_the_groups_were_aborted_during_does_not_count(tmp_path: Path
     with pytest.raises(process_groups.GroupsAborted, match="memory snapshot of step 2"):
         snapshots.save(2, state)
     monkeypatch.undo()
-    newest = snapshots.newest()
+    newest = found_in([snapshots.inventory()])
     assert newest is not None and newest.step == 1
 
 
@@ -291,7 +311,7 @@ def copy_cut_by_its_peer(rank: int, world_size: int, root: str) -> tuple[bool, b
     if rank == 1:
         process_groups.abort_all()  # as when it takes a new round, or as its death closes them
         return None
-    snapshots = MemorySnapshots(Path(root), Ranks(None), None)
+    snapshots = MemorySnapshots(Path(root), Ranks(None), None, [node_of(Path(root))])
     snapshots._copy_group = group
     aborts = process_groups.aborts()
 
