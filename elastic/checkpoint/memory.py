@@ -10,6 +10,10 @@ folder holds::
     peer/<digest>/     the previous node's data files of one snapshot (named by its metadata's digest, so files
                        of two saves of one step never mix), each renamed into place once whole
 
+A round's first snapshot is planned by DCP across the ranks; the next ones reuse that plan while every rank's
+state keeps its layout (snapshot_plans.py): two collectives a snapshot, one before the writes (the leaders
+prepared the folders, and every rank says whether the plan still fits it) and one after (every rank wrote, and
+the write results, from which each leader completes the metadata).
 After a save, the leader of each node (its lowest rank) sends its node's data files to the leader of the next
 node (nodes in rank order, the last to the first) in the background, over a gloo group of their own; the next
 save waits for that copy, unless a peer of the copy closed its connection: gloo may then wait forever, so the
@@ -28,10 +32,12 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,12 +46,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.storage import WriteResult
 
 from elastic import process_groups
 from elastic.checkpoint.loading import load_folder, state_dicts
 from elastic.checkpoint.ranks import Ranks
 from elastic.checkpoint.snapshot_format import MappedFiles, SnapshotReader, SnapshotWriter, data_file, mapped_file
+from elastic.checkpoint.snapshot_plans import RecordingPlanner, SnapshotPlan, local_plan
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +168,7 @@ class MemorySnapshots:
         self._copy: threading.Thread | None = None
         self._copy_error: BaseException | None = None
         self._copied: int | None = None  # the newest own step whose part reached the next node
+        self._plan: SnapshotPlan | None = None  # the last snapshot's plan, for the next one if it fits every rank
 
     @property
     def nodes(self) -> int:
@@ -173,19 +181,24 @@ class MemorySnapshots:
         aborts = process_groups.aborts()
         self.wait_for_copy()
         folder = self._own(step)
-        self._ranks.agree(lambda: self._prepare(folder), f"preparing the memory snapshot of step {step}")
-        dcp.save(  # DCP's default planner, without plan caching: see elastic.checkpoint.saver
-            state_dicts(state),
-            storage_writer=SnapshotWriter(folder, self._written),
-            process_group=self._ranks.group,
-            no_dist=self._ranks.group is None,
-        )
-        metadata, record = self._ranks.agree(
-            lambda: self._describe(folder, step),
-            f"reading the metadata of the snapshot of step {step}",
-            only_rank0=True,
-        )
+        state_dict = state_dicts(state)
+        planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0)
+        fits = self._plan is not None and self._plan.fits(planner)
+
+        def prepare() -> tuple[bool, str | None]:
+            self._prepare(folder)
+            return fits, str(uuid.uuid4()) if self._ranks.rank == 0 else None
+
+        answers = self._ranks.each(prepare, f"preparing the memory snapshot of step {step}")
+        if all(fitting for fitting, _ in answers):
+            save_id = answers[0][1]
+            assert save_id is not None
+            written = self._write_as_planned(folder, step, planner, save_id)
+        else:
+            written = self._write_and_plan(folder, step, state_dict)
         if self.is_leader:
+            assert written is not None, "a leader gets the metadata and the record"
+            metadata, record = written
             process_groups.check_not_aborted(aborts, f"the memory snapshot of step {step}")
             self._publish(folder, metadata, record)
             self._prune_own(step)
@@ -266,13 +279,52 @@ class MemorySnapshots:
             if child.name not in self._node_files or child.stat().st_nlink > 1:
                 child.unlink()
 
-    def _describe(self, folder: Path, step: int) -> tuple[bytes, SnapshotRecord]:
-        metadata = (folder / METADATA).read_bytes()
-        storage = FileSystemReader(folder).read_metadata().storage_data
-        files = tuple(sorted({info.relative_path for info in storage.values()}))
+    def _write_and_plan(self, folder: Path, step: int, state_dict: dict[str, Any]) -> tuple[bytes, SnapshotRecord]:
+        """Save with DCP, its plan agreed among the ranks, and keep the plan for the next snapshots."""
+        planner = RecordingPlanner()
+        dcp.save(  # DCP's default planner, without DCP's plan caching: see elastic.checkpoint.saver
+            state_dict,
+            storage_writer=SnapshotWriter(folder, self._written),
+            planner=planner,
+            process_group=self._ranks.group,
+            no_dist=self._ranks.group is None,
+        )
+
+        def describe() -> tuple[bytes, SnapshotRecord]:
+            metadata = (folder / METADATA).read_bytes()
+            storage = pickle.loads(metadata).storage_data
+            return metadata, self._record(step, metadata, {info.relative_path for info in storage.values()})
+
+        metadata, record = self._ranks.agree(
+            describe, f"reading the metadata of the snapshot of step {step}", only_rank0=True
+        )
+        assert planner.local is not None and planner.agreed is not None, "DCP's save made and finished a plan"
+        self._plan = SnapshotPlan(planner.local, planner.agreed, pickle.loads(metadata))
+        return metadata, record
+
+    def _write_as_planned(
+        self, folder: Path, step: int, planner: RecordingPlanner, save_id: str
+    ) -> tuple[bytes, SnapshotRecord] | None:
+        """Write this rank's part with the plan of an earlier snapshot (every rank's state has its layout); one
+        collective gathers the write results, from which every node's leader completes the metadata. None on
+        the other ranks: only leaders publish."""
+        assert self._plan is not None
+        plan = self._plan
+
+        def write() -> list[WriteResult]:
+            writer = SnapshotWriter(folder, self._written)
+            return writer.write_data(planner.finish_plan(plan.agreed), planner).value()
+
+        results = self._ranks.each(write, f"writing the memory snapshot of step {step}")
+        if not self.is_leader:
+            return None
+        metadata = plan.metadata_with(results, save_id)
+        return metadata, self._record(step, metadata, {r.storage_data.relative_path for rs in results for r in rs})
+
+    def _record(self, step: int, metadata: bytes, files: set[str]) -> SnapshotRecord:
         digest = hashlib.sha256(metadata).hexdigest()
-        return metadata, SnapshotRecord(
-            step=step, world_size=self._ranks.world_size, files=files, metadata_sha256=digest
+        return SnapshotRecord(
+            step=step, world_size=self._ranks.world_size, files=tuple(sorted(files)), metadata_sha256=digest
         )
 
     def _publish(self, folder: Path, metadata: bytes, record: SnapshotRecord) -> None:

@@ -3,7 +3,8 @@ manager's life (it reuses its CPU copies, so staging after the first save is a m
 
 Saves here and in `elastic.checkpoint.memory` use DCP's default planner, without plan caching: DCP caches plans
 per planner class for the whole process, and a round re-entered in process (`elastic.run`) at another world size
-merged its plans with the last world's (half of each tensor missing, in tests)."""
+merged its plans with the last world's (half of each tensor missing, in tests). A memory snapshot reuses a plan
+of its own instead, kept by the round's manager (`elastic.checkpoint.snapshot_plans`)."""
 
 from __future__ import annotations
 

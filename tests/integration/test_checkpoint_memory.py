@@ -18,7 +18,7 @@ from multiproc import run_ranks
 from test_checkpoint_reshard import assert_identical, full_state, sharded
 
 from elastic import process_groups
-from elastic.checkpoint import CheckpointManager, ModelState
+from elastic.checkpoint import CheckpointManager, ModelState, memory
 from elastic.checkpoint.memory import (
     METADATA,
     RECORD,
@@ -179,6 +179,57 @@ def test_a_snapshot_one_node_cannot_read_is_loaded_from_disk_on_every_rank(tmp_p
     loaded = run_ranks(4, load_after_loss, disk, nodes, True)
     assert [step for step, _ in loaded] == [SNAPSHOT_STEP] * 4
     assert_identical(loaded[0][1], expected)
+
+
+def snapshots_through_a_layout_change(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
+    """One rank per node, a snapshot at steps 1-4; the state gains an entry at step 3. How many snapshots DCP
+    planned after each step, and rank 0's model and optimizer at the end."""
+    os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
+    plans = []
+    save = memory.dcp.save
+    memory.dcp.save = lambda *args, **kwargs: (plans.append(1), save(*args, **kwargs))[1]
+    model, optimizer = sharded(seed=0)
+    manager = CheckpointManager(disk, keep=2, async_save=False, check_at_start=False, memory_every=1)
+    state = {"model": ModelState(model, optimizer)}
+    planned = []
+    for step in range(1, 5):
+        if step > 1:
+            torch.manual_seed(100 * step + rank)
+            model(torch.randn(4, 6)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if step == 3:
+            state["tokens_seen"] = torch.tensor([step * 100])
+        assert manager.should_save(step)
+        manager.save(step, state)
+        planned.append(len(plans))
+    manager.close()
+    expected = full_state(model, optimizer)
+    return planned, expected if rank == 0 else None
+
+
+@pytest.mark.timeout(240)
+def test_a_snapshot_reuses_the_last_ones_plan_while_the_layout_holds(tmp_path: Path) -> None:
+    """DCP plans the first snapshot and the one after the state's layout changed; the others are written with the
+    plan of the one before. Each node's leader completes their metadata alone, to the same bytes on both nodes and
+    to other bytes for each snapshot, and they load value for value, on one node as on two."""
+    disk = str(tmp_path / "disk")
+    nodes = [str(tmp_path / f"node{index}") for index in range(2)]
+    for node in nodes:
+        Path(node).mkdir()
+    (planned, expected), _ = run_ranks(2, snapshots_through_a_layout_change, disk, nodes)
+    assert planned == [1, 1, 2, 2]
+    metadata = {
+        (node, step): (Path(node) / "own" / f"step-{step}" / METADATA).read_bytes() for node in nodes for step in (3, 4)
+    }
+    for step in (3, 4):
+        assert metadata[(nodes[0], step)] == metadata[(nodes[1], step)], f"step {step}: one snapshot, one metadata"
+    assert metadata[(nodes[0], 3)] != metadata[(nodes[0], 4)], "the digest names one snapshot"
+
+    assert [step for step, _ in run_ranks(2, load_after_loss, disk, nodes[:1], True)] == [4, 4]
+    step, loaded = run_ranks(1, load_after_loss, disk, nodes[:1], True)[0]
+    assert step == 4
+    assert_identical(loaded, expected)
 
 
 def save_two_steps(rank: int, world_size: int, disk: str, node: str, async_save: bool) -> list[int] | None:
