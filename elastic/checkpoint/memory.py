@@ -235,6 +235,15 @@ class MemorySnapshots:
         started = time.monotonic()
         record = found.record
         folder = self._own(record.step)
+        transfers = plan_transfers(record, self._leaders, found.inventories)  # alike on every rank
+
+        def assemble() -> None:
+            self._assemble(record, folder, transfers)
+
+        if transfers:
+            # a node that receives files receives the metadata too, and its other ranks read it: every leader
+            # done first. Otherwise every node has the metadata already, and its leader only links its peer copy
+            self._ranks.agree(assemble, f"gathering the memory snapshot of step {record.step}")
         load_folder(
             self._ranks,
             folder,
@@ -242,7 +251,7 @@ class MemorySnapshots:
             state,
             record.world_size,
             SnapshotReader,
-            prepare=lambda: self._assemble(record, folder, found.inventories),
+            prepare=None if transfers else assemble,
         )
         logger.info(
             "loaded step %d from memory (saved by %d ranks, now %d) in %.2fs",
@@ -358,10 +367,9 @@ class MemorySnapshots:
             files.setdefault(folder.name, {}).update(_whole_files(folder, None))
         return Inventory(tuple(records), files)
 
-    def _assemble(self, record: SnapshotRecord, folder: Path, inventories: list[Inventory]) -> None:
+    def _assemble(self, record: SnapshotRecord, folder: Path, transfers: list[Transfer]) -> None:
         """Put every file of ``record`` into this node's ``folder``: links from its peer copy, the rest received
-        from the nodes that hold them; the record goes last, so the folder counts only once whole."""
-        transfers = plan_transfers(record, self._leaders, inventories)
+        (``transfers``) from the nodes that hold them; the record goes last, so the folder counts only once whole."""
         if not self.is_leader:
             return
         if _record_in(folder) != record:  # another save of this step, or a partial one: none of its files count

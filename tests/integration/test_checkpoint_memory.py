@@ -139,10 +139,26 @@ def load_after_loss(rank: int, world_size: int, disk: str, node_dirs: list[str],
     return step, loaded if rank == 0 else None
 
 
+def load_with_slow_leaders(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
+    """load_after_loss from memory, each node's leader slow to assemble its snapshot: its node's other ranks must
+    wait for it before reading the metadata it receives."""
+    assemble = memory.MemorySnapshots._assemble
+
+    def slowly(self, *args, **kwargs):
+        if self.is_leader:
+            time.sleep(0.5)
+        return assemble(self, *args, **kwargs)
+
+    memory.MemorySnapshots._assemble = slowly
+    return load_after_loss(rank, world_size, disk, node_dirs, True)
+
+
 @pytest.mark.timeout(240)
-def test_reshard_from_memory_after_a_node_loss_equals_reshard_from_disk(tmp_path: Path) -> None:
-    """4 ranks on 2 nodes snapshot into memory; node 1 is lost (its memory with it); 3 ranks load on node 0
-    (its own snapshot and node 1's part from its peer copy) and on a new node 2, value for value as from disk."""
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_reshard_from_memory_after_a_node_loss_equals_reshard_from_disk(tmp_path: Path, world_size: int) -> None:
+    """4 ranks on 2 nodes snapshot into memory; node 1 is lost (its memory with it); 3 or 4 ranks load on node 0
+    (its own snapshot and node 1's part from its peer copy) and on a new node 2 (one rank, or a leader that
+    receives the files and a rank that reads them), value for value as from disk."""
     disk = str(tmp_path / "disk")
     nodes = [str(tmp_path / f"node{index}") for index in range(3)]
     for node in nodes:
@@ -153,11 +169,12 @@ def test_reshard_from_memory_after_a_node_loss_equals_reshard_from_disk(tmp_path
     assert list((node1 / "own").iterdir()) and list((node1 / "peer").iterdir()), "node 1 held a snapshot and a copy"
     shutil.rmtree(node1)
 
-    survivors = [nodes[0], nodes[2]]  # two ranks per node: ranks 0, 1 on node 0; rank 2 on the new node 2
-    from_memory = run_ranks(3, load_after_loss, disk, survivors, True)
-    from_disk = run_ranks(3, load_after_loss, disk, survivors, False)
-    assert [step for step, _ in from_memory] == [SNAPSHOT_STEP] * 3
-    assert [step for step, _ in from_disk] == [SNAPSHOT_STEP] * 3
+    survivors = [nodes[0], nodes[2]]  # two ranks per node: ranks 0, 1 on node 0; 2 (and 3) on the new node 2
+    nothing_on_disk = str(tmp_path / "empty")  # had the memory load failed, the disk's step would have passed
+    from_memory = run_ranks(world_size, load_with_slow_leaders, nothing_on_disk, survivors)
+    from_disk = run_ranks(world_size, load_after_loss, disk, survivors, False)
+    assert [step for step, _ in from_memory] == [SNAPSHOT_STEP] * world_size
+    assert [step for step, _ in from_disk] == [SNAPSHOT_STEP] * world_size
     assert_identical(from_memory[0][1], from_disk[0][1])
     assert_identical(from_memory[0][1], expected)
     assert (Path(nodes[2]) / "own" / f"step-{SNAPSHOT_STEP}" / "snapshot.json").exists(), "node 2 was given the files"
