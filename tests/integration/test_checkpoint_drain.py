@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_checkpoint_manager import make_state, train
 
 from elastic import channel
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.layout import scan
+from elastic.node_memory import MEMORY_DIR_ENV
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -63,3 +65,36 @@ def test_outside_elastic_run_should_save_is_the_schedule_alone(tmp_path, monkeyp
     manager = CheckpointManager(tmp_path / "ckpt", keep=3, async_save=False, check_at_start=False)
     assert not any(manager.should_save(step) for step in range(1, 20)), "every=0: drains only"
     manager.close()
+
+
+def test_a_drain_is_snapshotted_in_memory_too_and_the_next_round_loads_it_from_there(
+    tmp_path, agent_channel, monkeypatch
+):
+    """The next round loads a drain's checkpoint at once: off the memory schedule, the drain's step is snapshotted
+    too, and the load takes it from memory (the disk copy is made unreadable here, so a load from disk would fail)."""
+    path, _ = agent_channel
+    monkeypatch.setenv(MEMORY_DIR_ENV, str(tmp_path / "memory"))
+    manager = CheckpointManager(tmp_path / "ckpt", keep=3, async_save=True, every=50, memory_every=7)
+    state = make_state(seed=0)
+    manager.load_latest(state)  # saves step 0, to disk
+    channel.request_drain(path, 4)
+    train(state, 3)
+    assert manager.should_save(3)
+    saving = threading.Thread(target=manager.save, args=(3, state), daemon=True)
+    saving.start()
+    deadline = time.monotonic() + 20
+    while 3 not in [e.step for e in scan(tmp_path / "ckpt") if e.committed] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    channel.request_drain(path, 0)
+    saving.join(timeout=10)
+    assert not saving.is_alive()
+    manager.close()
+    saved = {name: value.clone() for name, value in state["model"].model.state_dict().items()}
+    for data in (tmp_path / "ckpt" / "step-3").glob("*.distcp"):
+        data.write_bytes(b"")
+
+    loaded = make_state(seed=1)
+    assert CheckpointManager(tmp_path / "ckpt", memory_every=7).load_latest(loaded) == 3
+    assert loaded["progress"].step == 3
+    for name, value in loaded["model"].model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
