@@ -157,8 +157,7 @@ class CheckpointManager:
         durable = bool(self._drain) or bool(self.config.every and step % self.config.every == 0)
         in_memory = self._memory is not None and (
             # the next round loads a drain's checkpoint at once, faster from memory than from disk
-            bool(self._drain)
-            or (step % self.config.memory_every == 0 and (self.config.async_save or not durable))
+            bool(self._drain) or (step % self.config.memory_every == 0 and (self.config.async_save or not durable))
         )
         self._memory_step = step if in_memory else None
         self._memory_only = in_memory and not durable
