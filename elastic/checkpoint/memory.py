@@ -182,8 +182,9 @@ class MemorySnapshots:
         self.wait_for_copy()
         folder = self._own(step)
         state_dict = state_dicts(state)
-        planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0)
-        fits = self._plan is not None and self._plan.fits(planner)
+        # only a kept plan needs this rank's local plan, to be compared with: a round's first snapshot plans in DCP
+        planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0) if self._plan is not None else None
+        fits = planner is not None and self._plan is not None and self._plan.fits(planner)
 
         def prepare() -> tuple[bool, str | None]:
             self._prepare(folder)
@@ -192,7 +193,7 @@ class MemorySnapshots:
         answers = self._ranks.each(prepare, f"preparing the memory snapshot of step {step}")
         if all(fitting for fitting, _ in answers):
             save_id = answers[0][1]
-            assert save_id is not None
+            assert save_id is not None and planner is not None
             written = self._write_as_planned(folder, step, planner, save_id)
         else:
             written = self._write_and_plan(folder, step, state_dict)

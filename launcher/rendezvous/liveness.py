@@ -169,11 +169,11 @@ def probe_all(suspects: dict[str, Target], peers: dict[str, Target], timeout: fl
             for future in done:
                 node = pending.pop(future)
                 miss, took = future.result()
-                if node in suspects and miss is not None and miss.silent:
-                    # its own timeout fell due with the peers' deadline and woke us first: the same verdict
-                    silent[node] = took
-                elif node in suspects and miss is not None:
-                    misses[node] = miss
+                if node in suspects and miss is not None:
+                    if miss.silent:  # its own timeout fell due with the peers' deadline and woke us first
+                        silent[node] = took
+                    else:
+                        misses[node] = miss
                 elif node in peers and miss is None:
                     answered_in.append(took)
         for node, silent_for in silent.items():
