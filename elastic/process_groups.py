@@ -114,13 +114,26 @@ def peer_closed(group: dist.ProcessGroup | None) -> bool:
         connections = list(_connections_of_group.get(id(group), ()))
     poller = select.poll()
     for fd, inode in connections:
-        try:
-            if os.fstat(fd).st_ino != inode:
-                return True  # gloo closed it and the descriptor was reused: it closes one only once it failed
-        except OSError:
-            return True
+        if not _still_open(fd, inode):
+            return True  # gloo closes a connection only once it failed
         poller.register(fd, select.POLLRDHUP)  # a hang-up or an error is reported without being asked for
     return any(not events & select.POLLNVAL for _, events in poller.poll(0))
+
+
+def connections_closed() -> bool:
+    """Whether gloo closed every connection of this process's groups (there were some): after `abort_all` it closes
+    a connection once it saw the shutdown, and a collective that has not ended by then never will."""
+    with _lock:
+        connections = list(_group_connections)
+    return bool(connections) and not any(_still_open(fd, inode) for fd, inode in connections)
+
+
+def _still_open(fd: int, inode: int) -> bool:
+    """Whether `fd` is still the connection of `inode` (not closed, nor closed and reused)."""
+    try:
+        return os.fstat(fd).st_ino == inode
+    except OSError:
+        return False
 
 
 def _is_connection(fd: int) -> bool:
@@ -141,9 +154,9 @@ def abort_all() -> int:
         connections = list(_group_connections)
     shut = 0
     for fd, inode in connections:
+        if not _still_open(fd, inode):
+            continue  # closed, and perhaps reused for something else
         try:
-            if os.fstat(fd).st_ino != inode:
-                continue  # the descriptor was closed and reused for something else
             with socket.socket(fileno=os.dup(fd)) as connection:
                 connection.shutdown(socket.SHUT_RDWR)
             shut += 1

@@ -248,8 +248,9 @@ def test_a_round_at_another_rank_shards_as_that_rank(tmp_path):
 def test_a_worker_blocked_where_no_abort_reaches_leaves_and_is_started_anew_without_the_timeout(cluster, tmp_path):
     """Node a's worker sends to node b's, which stopped reading: gloo queues the send, and shutting the connections
     down does not end it (test_gloo_abort.py). Node b stops; in the round without it, a's worker finds itself
-    still blocked inside torch.distributed and exits with UNWIND_STUCK_EXIT; a starts its rank anew at once, long
-    before --inprocess-timeout, and the job finishes."""
+    still blocked inside torch.distributed once gloo closed every connection of its group (nothing can end the send
+    then) and exits with UNWIND_STUCK_EXIT; a starts its rank anew at once, long before --inprocess-timeout, and the
+    job finishes."""
     marks = tmp_path / "marks.jsonl"
     script_args = ["--marks", str(marks)]
     timeout = ["--inprocess-timeout", "60"]  # the fallback would come far too late for this test
@@ -264,6 +265,7 @@ def test_a_worker_blocked_where_no_abort_reaches_leaves_and_is_started_anew_with
     assert "could not unwind (blocked where no abort reaches" in a.text(), a.text()[-3000:]
     assert "did not re-enter within" not in a.text()
     assert "leaving for elastic-run to start this rank anew" in a.text(), "the worker said why it left"
+    assert "though gloo closed every connection of its groups" in a.text(), "it left once nothing could end its wait"
     sent = next(r["pid"] for r in records(marks) if r["round"] == 0 and r["node"] == "a")
     later = [r for r in records(marks) if r["round"] > 0]
     assert later and all(r["pid"] != sent and not r["reentered"] for r in later), records(marks)

@@ -1,5 +1,6 @@
-"""How a worker tells that a peer closed a connection of one of its groups (`process_groups.peer_closed`), on real
-loopback TCP connections standing in for gloo's."""
+"""How a worker tells that a peer closed a connection of one of its groups (`process_groups.peer_closed`), and that
+gloo closed all of them (`process_groups.connections_closed`), on real loopback TCP connections standing in for
+gloo's."""
 
 from __future__ import annotations
 
@@ -67,3 +68,33 @@ def test_a_connection_gloo_closed_counts_as_closed_even_if_its_descriptor_is_reu
             assert process_groups.peer_closed(group)  # type: ignore[arg-type]
         finally:
             os.close(descriptor)
+
+
+def test_the_groups_connections_count_as_closed_only_once_every_one_is(monkeypatch) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ours = [socket.create_connection(listener.getsockname()) for _ in range(2)]
+        theirs = [listener.accept()[0] for _ in ours]
+    tracked = {(s.fileno(), os.fstat(s.fileno()).st_ino) for s in ours}
+    monkeypatch.setattr(process_groups, "_group_connections", tracked)
+    first = ours[0].fileno()
+    try:
+        assert not process_groups.connections_closed()
+        ours[0].close()
+        assert not process_groups.connections_closed(), "one connection is still open"
+        with socket.socket() as reused:  # the closed one's descriptor, reused, is not it
+            os.dup2(reused.fileno(), first)
+        try:
+            assert not process_groups.connections_closed()
+            ours[1].close()
+            assert process_groups.connections_closed()
+        finally:
+            os.close(first)
+    finally:
+        for s in ours + theirs:
+            s.close()
+
+
+def test_no_groups_connections_are_not_closed_ones(monkeypatch) -> None:
+    """NCCL's groups (or none at all) leave no gloo connection to judge by: the fallback decides."""
+    monkeypatch.setattr(process_groups, "_group_connections", set())
+    assert not process_groups.connections_closed()
