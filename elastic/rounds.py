@@ -70,9 +70,9 @@ STANDBY_ENV = "ELASTIC_STANDBY"  # set: started before its first round, which co
 STUCK_AFTER_S = 0.5
 STUCK_LOOKS = 3  # over half a second more: the main thread sat at the same instruction, in a futex wait, each time
 # once gloo closed every connection of the groups, a collective still waiting can only end by its timeout (30 min):
-# gloo fails a send it queued, or a receive whose message had begun, without waking its waiter (one worker in about
-# 30 aborts of 6 ranks on 2 loaded cores; all connections were closed within 5 ms of the abort). Three looks 50 ms
-# apart tell such a wait from one just woken
+# gloo fails a send it queued, or a receive whose message had begun, without waking its waiter (one rank in about 26
+# runs of 6 ranks aborting at once on 2 loaded cores; every connection was closed within 5 ms of the abort). Three
+# looks 50 ms apart tell such a wait from one just woken
 CLOSED_POLL_S = 0.025
 CLOSED_LOOK_S = 0.05
 STILL_BLOCKED = (
