@@ -154,7 +154,7 @@ def load_folder(
         saved_keys.update(_keys_by_entry(storage.read_metadata().state_dict_metadata, dicts))
         recorded = {}
         if ranks.rank == 0 and any(is_world_size_key(key) for keys in saved_keys.values() for key in keys):
-            recorded = _recorded_world_sizes(folder, reader, saved_keys)
+            recorded = _recorded_world_sizes(storage, saved_keys)
         views = {name: _view(state[name], name, value, saved_keys[name]) for name, value in dicts.items()}
         return views, recorded
 
@@ -230,11 +230,11 @@ def _view(entry: Any, name: str, entry_state: Any, saved: list[str]) -> RankView
 
 
 def _recorded_world_sizes(
-    folder: Path, reader: type[CheckpointReader], saved_keys: dict[str, list[str]]
+    storage: CheckpointReader, saved_keys: dict[str, list[str]]
 ) -> dict[str, tuple[tuple[str, int], ...]]:
     """The world sizes each entry recorded in the checkpoint, read on this rank alone (they are small values)."""
     wanted: dict[str, Any] = {key: None for keys in saved_keys.values() for key in keys if is_world_size_key(key)}
-    dcp.load(wanted, storage_reader=reader(folder), no_dist=True)
+    dcp.load(wanted, storage_reader=storage, no_dist=True)
     return {
         name: recorded
         for name, keys in saved_keys.items()

@@ -182,9 +182,10 @@ class MemorySnapshots:
         self.wait_for_copy()
         folder = self._own(step)
         state_dict = state_dicts(state)
-        # only a kept plan needs this rank's local plan, to be compared with: a round's first snapshot plans in DCP
-        planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0) if self._plan is not None else None
-        fits = planner is not None and self._plan is not None and self._plan.fits(planner)
+        planner, fits = None, False
+        if self._plan is not None:  # a round's first snapshot plans in DCP: no local plan to compare with
+            planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0)
+            fits = self._plan.fits(planner)
 
         def prepare() -> tuple[bool, str | None]:
             self._prepare(folder)

@@ -104,7 +104,7 @@ def gather_pickled(value: Any, group: dist.ProcessGroup, world_size: int) -> lis
         part[_LENGTH_BYTES : _LENGTH_BYTES + len(data)] = _bytes(data)
     parts = [torch.empty_like(part) for _ in range(world_size)]
     dist.all_gather(parts, part, group=group)
-    lengths = [int.from_bytes(bytes(p[:_LENGTH_BYTES].tolist()), "little") for p in parts]
+    lengths = [int.from_bytes(p[:_LENGTH_BYTES].numpy().tobytes(), "little") for p in parts]
     if max(lengths) <= inline:
         return [pickle.loads(p[_LENGTH_BYTES : _LENGTH_BYTES + n].numpy().tobytes()) for p, n in zip(parts, lengths)]
     whole = torch.zeros(max(lengths), dtype=torch.uint8)
