@@ -322,7 +322,7 @@ def pick_victim(client, keys) -> tuple[str, str]:
     controller = controller_of(client, keys)
     round_raw, _ = client.get(keys.round)
     header = RoundHeader.loads(round_raw)
-    buckets = [MemberBucket.loads(raw) for raw, _ in client.get_prefix(keys.members_prefix(header.round))]
+    buckets = [MemberBucket.loads(client.get(keys.member_bucket(header.round, i))[0]) for i in range(header.buckets)]
     order = RoundRecord.assemble(header, buckets).nodes  # group-rank order
     victim = next(node for node in order[len(order) // 2 :] + order[1:] if node != controller)
     return controller, victim

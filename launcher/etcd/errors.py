@@ -46,7 +46,9 @@ def call_with_retry(
     raise the last one."""
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception(retry_if),
-        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
+        # at random below the exponential bound: callers that failed together (thousands of agents behind one busy
+        # etcd) do not all ask again at the same moment
+        wait=tenacity.wait_random_exponential(multiplier=0.05, max=1.0),
         stop=tenacity.stop_after_delay(deadline_s),
         reraise=True,
         before_sleep=lambda state: logger.debug(

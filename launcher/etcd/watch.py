@@ -40,7 +40,7 @@ class RangeMirror:
 
     def close(self) -> None:
         with self._changed:
-            self._closed = True
+            self._closed, self.connected = True, False
             watch_id, self._watch_id = self._watch_id, None
             self._changed.notify_all()
         if watch_id is not None:

@@ -41,6 +41,7 @@ from launcher.etcd.watch import RangeMirror
 from launcher.node import exit_deadline, rules
 from launcher.node.controller_seat import ControllerSeat
 from launcher.node.incarnation import Incarnation, read_before_joining
+from launcher.node.member_bucket import WatchedBucket
 from launcher.node.round_reporter import RoundReporter
 from launcher.node.round_workers import RoundWorkers, WorkerGroupFactory
 from launcher.node.rules import Phase, RoundRun
@@ -98,6 +99,7 @@ class Agent:
         self._reporter: RoundReporter | None = None
         self.signal_received: int | None = None
         self.mirror = RangeMirror(self.client, self.store.keys.ctl)  # state/ctl/, started by run
+        self.bucket = WatchedBucket(self.store, config.node_id, config.max_nodes)  # started by run
         self.liveness = LivenessServer(self.addr)  # answers the controller's probes while this agent lives
         # a worker's exit or its ring wakes the loop, which otherwise looks at the workers every monitor_interval
         self.wakeups = WorkerWakeups(config.node_id, self.mirror.poke)
@@ -121,6 +123,7 @@ class Agent:
         if status is not None:
             return _job_already_over(self.config.rdzv_id, status)
         read_before_joining(self.config, "the job's state", self.mirror.start)
+        read_before_joining(self.config, "this node's member bucket", self.bucket.start)
         self.liveness.start()
         node_memory.create_empty(self.memory_dir)
         node_memory.remove_abandoned(self.memory_dir.parent)
@@ -149,6 +152,7 @@ class Agent:
             self.wakeups.close()
             self._writer.shutdown(wait=False, cancel_futures=True)
             self.mirror.close()
+            self.bucket.close()
             node_memory.remove(self.memory_dir)
             self.sync_log()
 
@@ -340,7 +344,7 @@ class Agent:
 
     # -- rounds ----------------------------------------------------------------------------------------------
     def enter_round(self, header: RoundHeader, revision: int) -> None:
-        member = self.store.read_member(header, self.node_id, self.me.record.lease)
+        member = self.bucket.member(header, self.me.record.lease)
         if member is None:
             self.workers.stop_round_workers()  # standby workers wait on for a round that takes this node in
         else:

@@ -37,7 +37,7 @@ from launcher.rendezvous.job_view import JobView, ViewParser
 from launcher.rendezvous.liveness import Target, probe_all
 from launcher.rendezvous.membership_log import LogMirror
 from launcher.rendezvous.protocol import ControllerStore, Holder
-from launcher.rendezvous.records import DrainRequest, JobStatus, RoundRecord, new_event
+from launcher.rendezvous.records import DrainRequest, JobStatus, RoundRecord, bucket_count, new_event
 from launcher.rendezvous.round_events import round_events
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,8 @@ class Controller:
             decision.quarantined,
         )
         events = round_events(decision, record, self.settings, time.time())
-        if self.store.form_round(self.holder, view.round_revision, record, events, decision.handled_left):
+        buckets = bucket_count(len(record.nodes), self.settings.max_nodes)
+        if self.store.form_round(self.holder, view.round_revision, record, events, decision.handled_left, buckets):
             members = decision.members
             ranks = ", ".join(f"{m.node}:{m.first_rank}-{m.last_rank}" for m in members[:16])
             more = f" and {len(members) - 16} more" if len(members) > 16 else ""

@@ -8,7 +8,7 @@ Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the mem
 | state/left/<node>                 | LeaveRecord    | agent       | SIGTERM/SIGINT, before workers stop  | none (the agent's own notice)           | controller, once it handled the leave     |
 | state/ctl/controller              | "<node>#<lease>"| agent      | claim (under its lease), held        | key absent (or already ours)            | lease expiry or revoke; an agent whose probe finds the holder gone |
 | state/ctl/round                   | RoundHeader    | controller  | form a round                         | holds controller; round rev unchanged; no status | never (replaced by the next round) |
-| state/members/<round>/<bucket>    | MemberBucket   | controller  | with the round's header (same txn); past 48 buckets (3,072 nodes) the rest just before it, 48 per txn | as the header | controller, when the next round forms |
+| state/members/<bucket>/<round>    | MemberBucket   | controller  | with the round's header (same txn); those its txn has no room for just before it | as the header | controller: a bucket's older rounds with its write two rounds on; buckets past the count with the next header |
 | state/ctl/master/<round>          | MasterRecord   | group rank 0| before starting its workers          | round rev unchanged                     | controller, when the next round forms     |
 | state/ctl/rollcall/<round>        | RollCall       | controller  | workers failed while a member is silent | holds controller; round rev unchanged | controller, when the next round forms     |
 | state/ctl/drain/<round>           | DrainRequest   | controller  | before a scale-up or a node leaving  | holds controller; round rev unchanged   | controller: next round, or change off     |
@@ -23,8 +23,10 @@ Everything lives under `/elastic/<rdzv-id>/`; live state under `state/`, the mem
 | events/<time_ns>-<author>-<seq>   | MembershipEvent| both        | in the same transaction as the change | that change's guard                    | controller keeps the newest `max_events`; purge |
 | access-check/<uuid>               | ""             | elastic-run | at start, before the agent: may this etcd user write here? | none (unique to the check) | the same check, at once |
 
-Agents watch only `state/ctl/` (a few small keys per round, whatever the job's size) and read the one member
-bucket that holds their node (by a hash of the node id); the controller watches all of `state/`. Every write that
+Agents watch `state/ctl/` (a few small keys per round, whatever the job's size) and the one member bucket that
+holds their node (by a hash of the node id, over the bucket count of a round near `--nnodes` MAX:
+`records.bucket_count`), so etcd sends each agent its place with the round; where a round has another count (far
+below MAX) the agent reads its bucket. The controller watches all of `state/`. Every write that
 may be retried carries a marker key unique to that attempt (its event, or its own value), so a retry whose first attempt committed, and only the reply was lost, recognises its own write.
 
 `JobKeys` builds every key of the table and `JobKeys.parse` reads one back as a typed key (`NodeKey`, `ReportKey`,
@@ -73,9 +75,9 @@ _sequence = itertools.count()
 # How long a call waits for etcd to answer before it raises EtcdUnavailable:
 _WRITE_DEADLINE_S = 30.0  # the protocol's writes and reads that the job cannot go on without
 _STEP_DEADLINE_S = 5.0  # an agent's own steps, which its caller retries or gives up on its own schedule
-# etcd allows 128 operations in one transaction by default (--max-txn-ops); a round's header, clean-up and events
-# take the rest. 48 buckets of ~64 members are ~200 KB, well inside its 1.5 MiB request limit.
-_BUCKETS_PER_TRANSACTION = 48
+# etcd allows 128 operations in one transaction by default (--max-txn-ops). A bucket takes two (its put and the
+# clean-up of its older rounds); 64 buckets of ~64 members are ~280 KB, well inside its 1.5 MiB request limit.
+_MAX_TRANSACTION_OPS = 128
 _HOUSEKEEPING_DEADLINE_S = 1.0  # trimming and mirroring the log: its next turn does what this one could not
 # (full key, mod revision) of every malformed event warned about: once per process, however often it is read
 _warned_events: set[tuple[str, int]] = set()
@@ -215,11 +217,12 @@ class JobKeys:
     def drain(self, round_: int) -> str:
         return f"{self.drains}{round_:010d}"
 
-    def members_prefix(self, round_: int) -> str:
-        return f"{self.members}{round_:010d}/"
+    def bucket_prefix(self, bucket: int) -> str:
+        """Every round's bucket `bucket`: what the agents whose node ids hash to it watch."""
+        return f"{self.members}{bucket:04d}/"
 
     def member_bucket(self, round_: int, bucket: int) -> str:
-        return f"{self.members_prefix(round_)}{bucket:04d}"
+        return f"{self.bucket_prefix(bucket)}{round_:010d}"
 
     def round_prefix(self, round_: int) -> str:
         return f"{self.rounds}{round_:010d}/"
@@ -255,7 +258,7 @@ class JobKeys:
                 return RollCallKey(_number(number))
             case ["state", "ctl", "drain", number]:
                 return DrainKey(_number(number))
-            case ["state", "members", number, bucket]:
+            case ["state", "members", bucket, number]:
                 return MemberBucketKey(_number(number), _number(bucket))
             case ["state", "rounds", number, kind, node] if node:
                 return ReportKey(_number(number), ReportKind(kind), node)
@@ -613,29 +616,34 @@ class ControllerStore(JobStore):
         record: RoundRecord,
         events: list[MembershipEvent],
         handled_left: list[str],
+        buckets: int,
     ) -> bool:
-        """Write round `record.round` and its events; drop earlier rounds' reports and the leaves it handled."""
+        """Write round `record.round` in `buckets` member buckets, and its events; drop earlier rounds' reports,
+        the leaves it handled, and the buckets no reader needs any more."""
         number = record.round
-        header, buckets = record.split()
-        bucket_puts = [self._tx.put(self.keys.member_bucket(number, i), b.dumps()) for i, b in enumerate(buckets)]
+        header, parts = record.split(buckets)
+        bucket_writes = [
+            [
+                self._tx.put(self.keys.member_bucket(number, i), part.dumps()),
+                # the previous round's bucket stays until the next one: an agent may still be reading it
+                *(
+                    [self._tx.delete(self.keys.bucket_prefix(i), range_end=self.keys.member_bucket(number - 1, i))]
+                    if number >= 2
+                    else []
+                ),
+            ]
+            for i, part in enumerate(parts)
+        ]
         compare = [
             self._holds_controller(holder),
             self._round_unchanged(round_revision),
             self._tx.version(self.keys.status) == 0,
         ]
-        # the buckets the header's transaction has no room for go first, under its guard: agents read a bucket only
-        # once the header announced the round. One that a lost race leaves behind is never read (its index is past
-        # the header's count, or the winner wrote it again) and goes with the next round's clean-up.
-        first_with_header = (len(bucket_puts) - 1) // _BUCKETS_PER_TRANSACTION * _BUCKETS_PER_TRANSACTION
-        for start in range(0, first_with_header, _BUCKETS_PER_TRANSACTION):
-            if not self._apply(compare, bucket_puts[start : start + _BUCKETS_PER_TRANSACTION]):
-                return False
         puts = [self._event(e, holder.node) for e in events]
         ops = [
             self._tx.put(self.keys.round, header.dumps()),
-            *bucket_puts[first_with_header:],
             # what belonged to earlier rounds goes with them: nothing stale reaches a new round
-            self._tx.delete(self.keys.members, range_end=self.keys.members_prefix(number)),
+            self._tx.delete(self.keys.bucket_prefix(buckets), range_end=_prefix_end(self.keys.members)),
             self._tx.delete(self.keys.rounds, range_end=self.keys.round_prefix(number)),
             self._tx.delete(self.keys.masters, range_end=self.keys.master(number)),
             self._tx.delete(self.keys.rollcalls, range_end=self.keys.rollcall(number)),
@@ -643,6 +651,17 @@ class ControllerStore(JobStore):
             *(self._tx.delete(self.keys.left(node)) for node in handled_left),
             *(put for _, put in puts),
         ]
+        # the buckets the header's transaction has no room for go first, under its guard: an agent takes a bucket
+        # only once the header announced its round. One that a lost race leaves behind is never taken (its index
+        # is past the header's count, or the winner wrote it again) and goes with a later round's clean-up.
+        with_header = max(0, (_MAX_TRANSACTION_OPS - len(ops)) // 2)
+        first_with_header = max(0, len(bucket_writes) - with_header)
+        per_transaction = _MAX_TRANSACTION_OPS // 2
+        for start in range(0, first_with_header, per_transaction):
+            batch = bucket_writes[start : min(start + per_transaction, first_with_header)]
+            if not self._apply(compare, [op for write in batch for op in write]):
+                return False
+        ops += [op for write in bucket_writes[first_with_header:] for op in write]
         return self._commit(compare, ops, marker=puts[-1][0])
 
     def call_rollcall(self, holder: Holder, round_: int, round_revision: int) -> bool:

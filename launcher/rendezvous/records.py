@@ -61,9 +61,9 @@ class Member:
 class RoundHeader(Record):
     """What every agent watches of a round: a few hundred bytes whatever the job's size.
 
-    The members sit in `buckets` separate records, by a hash of the node id, so an agent reads only its own
+    The members sit in `buckets` separate records, by a hash of the node id, so an agent receives only its own
     bucket: receiving every member list would cost etcd N x N bytes per round. A bucket holds about
-    MEMBERS_PER_BUCKET members (a hash spreads them, not a count).
+    MEMBERS_PER_BUCKET members (a hash spreads them, not a count) in a round near the job's maximum size.
     """
 
     round: int = Field(ge=0)
@@ -82,6 +82,9 @@ class RoundHeader(Record):
 class MemberBucket(Record):
     """The members of one round whose node ids hash to one bucket, with their places in the round."""
 
+    # the header's: a bucket a rival controller wrote for the same round number, and lost the race with, is not this
+    # round's (an agent may see it in its watch before the winner's)
+    formed_at: float = 0.0
     nodes: list[str]
     incarnations: list[int]
     nproc: list[int]
@@ -114,6 +117,23 @@ MEMBERS_PER_BUCKET = 64
 
 def bucket_of(node: str, buckets: int) -> int:
     return zlib.crc32(node.encode()) % buckets
+
+
+def watched_bucket_count(max_nodes: int) -> int:
+    """How many buckets a round of a job of at most `max_nodes` nodes has when it is near that size: what an agent
+    knows before any round forms, so that it watches its bucket and etcd sends it the bucket with the round."""
+    return max(1, math.ceil(max_nodes / MEMBERS_PER_BUCKET))
+
+
+def bucket_count(size: int, max_nodes: int) -> int:
+    """How many buckets a round of `size` members has: the watched count, unless that would leave the buckets
+    mostly empty (a job far below its maximum would write hundreds of near-empty buckets every round); its
+    agents then read their bucket instead."""
+    watched, by_size = watched_bucket_count(max_nodes), max(1, math.ceil(size / MEMBERS_PER_BUCKET))
+    return watched if watched <= _SPARSE_BUCKETS * by_size else by_size
+
+
+_SPARSE_BUCKETS = 4  # how many times more buckets than a round's size needs are still worth watching
 
 
 class RoundRecord(Record):
@@ -201,9 +221,8 @@ class RoundRecord(Record):
             for m in self.members
         ]
 
-    def split(self) -> tuple[RoundHeader, list[MemberBucket]]:
-        """The header every agent watches, and the member buckets each agent reads one of."""
-        count = max(1, math.ceil(len(self.nodes) / MEMBERS_PER_BUCKET))
+    def split(self, count: int) -> tuple[RoundHeader, list[MemberBucket]]:
+        """The header every agent watches, and the `count` member buckets each agent receives one of."""
         columns: list[dict[str, list]] = [
             {"nodes": [], "incarnations": [], "nproc": [], "addrs": [], "group_ranks": [], "first_ranks": []}
             for _ in range(count)
@@ -230,7 +249,7 @@ class RoundRecord(Record):
             strikes=self.strikes,
             quarantined=self.quarantined,
         )
-        return header, [MemberBucket(**column) for column in columns]
+        return header, [MemberBucket(formed_at=self.formed_at, **column) for column in columns]
 
     @classmethod
     def assemble(cls, header: RoundHeader, buckets: list[MemberBucket]) -> RoundRecord:

@@ -11,7 +11,14 @@ from launcher.etcd import client as etcd_client
 from launcher.etcd.watch import RangeMirror
 from launcher.rendezvous.job_view import ViewParser
 from launcher.rendezvous.protocol import ControllerStore, Holder
-from launcher.rendezvous.records import MEMBERS_PER_BUCKET, Member, MemberBucket, RoundRecord, new_event
+from launcher.rendezvous.records import (
+    MEMBERS_PER_BUCKET,
+    Member,
+    MemberBucket,
+    RoundRecord,
+    bucket_count,
+    new_event,
+)
 from launcher.rendezvous.round_events import MAX_LOGGED_MEMBERS
 
 pytestmark = pytest.mark.timeout(90)
@@ -40,6 +47,13 @@ def controller(etcd):
         client.close()
 
 
+def form(store: ControllerStore, holder: Holder, revision: int, record: RoundRecord) -> bool:
+    """Write `record` as the controller of a job whose --nnodes MAX is its size."""
+    return store.form_round(
+        holder, revision, record, [started(record)], [], bucket_count(len(record.nodes), len(record.nodes))
+    )
+
+
 def started(record: RoundRecord):
     event = new_event("round_started", round=record.round, world_size=record.world_size, size=len(record.nodes))
     if len(record.nodes) <= MAX_LOGGED_MEMBERS:
@@ -50,7 +64,7 @@ def started(record: RoundRecord):
 def test_a_round_of_16k_nodes_is_written_and_every_agent_reads_only_its_own_small_bucket(controller):
     store, holder = controller
     record = round_of(LARGE)
-    assert store.form_round(holder, 0, record, [started(record)], [])
+    assert form(store, holder, 0, record)
 
     mirror = RangeMirror(store.client, store.keys.state).start()  # the controller's view, paged
     try:
@@ -72,7 +86,7 @@ def test_a_round_of_16k_nodes_is_written_and_every_agent_reads_only_its_own_smal
 def test_a_round_that_lost_its_guard_between_its_transactions_is_not_announced(controller):
     store, holder = controller
     store.client.delete(store.keys.controller)  # another agent's claim would come next: ours no longer holds
-    assert not store.form_round(holder, 0, round_of(5_000), [started(round_of(5_000))], [])
+    assert not form(store, holder, 0, round_of(5_000))
     assert store.client.get(store.keys.round)[0] is None
     assert list(store.client.get_prefix(store.keys.members)) == [], "the first bucket transaction is guarded too"
 
@@ -82,10 +96,10 @@ def test_buckets_a_lost_race_left_behind_are_ignored_and_cleared_by_the_next_rou
     stale = MemberBucket(nodes=["ghost"], incarnations=[1], nproc=[8], addrs=["x"], group_ranks=[0], first_ranks=[0])
     store.client.put(store.keys.member_bucket(1, 120), stale.dumps())  # a rival's round 1 had 121 buckets
     first = round_of(100)
-    assert store.form_round(holder, 0, first, [started(first)], [])
+    assert form(store, holder, 0, first)
     revision = store.client.get(store.keys.round)[1].mod_revision
     second = round_of(6_000, number=1)
-    assert store.form_round(holder, revision, second, [started(second)], [])
+    assert form(store, holder, revision, second)
 
     mirror = RangeMirror(store.client, store.keys.state).start()
     try:
@@ -96,10 +110,11 @@ def test_buckets_a_lost_race_left_behind_are_ignored_and_cleared_by_the_next_rou
     assert view.round_header.buckets == 94 and view.round == second
     assert view.round.member("ghost") is None
     third = round_of(10, number=2)
-    assert store.form_round(holder, view.round_revision, third, [started(third)], [])
+    assert form(store, holder, view.round_revision, third)
     assert {m.key.decode() for _, m in store.client.get_prefix(store.keys.members)} == {
-        store.keys.member_bucket(2, 0)
-    }, "each round clears every bucket of the rounds before it, the rival's too"
+        store.keys.member_bucket(2, 0),
+        store.keys.member_bucket(1, 0),  # an agent late for round 1 may still read it
+    }, "each round clears the buckets past its count and those two rounds old, the rival's too"
 
 
 def test_a_prefix_larger_than_a_grpc_message_is_read_in_pages(etcd):

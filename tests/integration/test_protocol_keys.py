@@ -64,7 +64,8 @@ def test_a_report_key_is_written_with_its_kind_s_value():
 
 
 def test_prefixes_cover_the_keys_they_delete():
-    assert KEYS.member_bucket(3, 0).startswith(KEYS.members_prefix(3))
+    assert KEYS.member_bucket(3, 0).startswith(KEYS.bucket_prefix(0)) and KEYS.bucket_prefix(0).startswith(KEYS.members)
+    assert KEYS.member_bucket(2, 5) < KEYS.member_bucket(3, 5) < KEYS.member_bucket(10, 5), "a bucket's rounds in order"
     assert KEYS.report(3, ReportKind.ACK, "n").startswith(KEYS.round_prefix(3))
     assert all(key.startswith(KEYS.prefix) for key, _ in BUILT)
 

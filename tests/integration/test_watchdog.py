@@ -501,10 +501,8 @@ def test_flags_parse_and_bad_values_are_refused():
 
 
 def one_member_round(member: Member):
-    """What an agent hands its WorkerGroup for a round of one node: the round's header where rounds are split."""
-    record = RoundRecord.of(0, [member], 0, "initial")
-    split = getattr(record, "split", None)
-    return split()[0] if split is not None else record
+    """What an agent hands its WorkerGroup for a round of one node: the round's header."""
+    return RoundRecord.of(0, [member], 0, "initial").split(1)[0]
 
 
 @pytest.mark.timeout(10)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.rendezvous.records import Member, RoundRecord
+from launcher.rendezvous.records import Member, RoundRecord, bucket_count, watched_bucket_count
 
 RECORD = RoundRecord(
     round=3,
@@ -46,3 +46,24 @@ def test_lookups_survive_a_trip_through_etcd_and_every_node_of_a_large_round_is_
     )
     assert all(record.member(node, index).first_rank == 8 * index for index, node in enumerate(nodes))
     assert record.member("n04095", 1) is None
+
+
+@pytest.mark.parametrize(
+    ("size", "max_nodes", "expected"),
+    [
+        (1, 1, 1),
+        (64, 64, 1),
+        (65, 65, 2),
+        (4_096, 4_096, 64),  # at its maximum: the count every agent watches
+        (4_000, 4_096, 64),  # a few nodes short: still watched
+        (1_024, 4_096, 64),  # a quarter of the maximum: buckets of ~16, still watched
+        (1_000, 4_096, 64),  # 16 buckets' worth, a quarter of 64: still watched
+        (960, 4_096, 15),  # below that: as many as its size needs, read by the agents
+        (10, 100_000, 1),  # a job far below a generous --nnodes MAX writes one bucket, not 1,563
+    ],
+)
+def test_a_round_has_the_bucket_count_its_maximum_gives_unless_its_buckets_would_be_mostly_empty(
+    size, max_nodes, expected
+):
+    assert bucket_count(size, max_nodes) == expected
+    assert watched_bucket_count(max_nodes) == -(-max_nodes // 64)
