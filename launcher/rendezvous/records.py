@@ -110,7 +110,7 @@ def _position(nodes: list[str], incarnations: list[int], node: str, incarnation:
     return None if incarnation is not None and incarnations[index] != incarnation else index
 
 
-# what one agent reads of a round, about 4 KB whatever the job's size: a cap on the bucket count instead would make
+# what one agent receives of a round, about 4 KB whatever the job's size: a cap on the bucket count instead would make
 # the bytes etcd sends per round grow as N x N
 MEMBERS_PER_BUCKET = 64
 
