@@ -69,6 +69,19 @@ class RendezvousSettings(BaseModel):
         return max(1, int(-(-self.keep_alive_interval * self.keep_alive_max_attempt // 1)))
 
 
+# Idle etcd load is one lease refresh per node per keep-alive interval, all on the leader, and a round's burst of
+# acknowledgements must fit in the lease (docs/scaling.md): past this many nodes (--nnodes MAX) the interval an
+# --rdzv-conf does not set is torchrun's 5 s, the lease 15 s.
+LARGE_JOB_NODES = 1024
+LARGE_JOB_KEEP_ALIVE_S = 5.0
+
+
+def default_keep_alive_interval(max_nodes: int) -> float:
+    """The lease refresh interval of a job of at most `max_nodes` nodes, where --rdzv-conf does not choose one."""
+    default = RendezvousSettings.model_fields["keep_alive_interval"].default
+    return LARGE_JOB_KEEP_ALIVE_S if max_nodes > LARGE_JOB_NODES else default
+
+
 PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
 
 

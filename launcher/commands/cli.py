@@ -21,6 +21,7 @@ from launcher.config import (
     EtcdSecurity,
     LaunchConfig,
     RendezvousSettings,
+    default_keep_alive_interval,
     one_line,
     parse_nnodes,
     parse_nproc_per_node,
@@ -247,14 +248,16 @@ def comma_separated(value: str | list[str]) -> list[str]:
     return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",") if item]
 
 
-def rendezvous_conf(conf: dict[str, str]) -> tuple[RendezvousSettings, EtcdSecurity]:
-    """A parsed --rdzv-conf as timings and etcd security; raises ValueError or ValidationError."""
+def rendezvous_conf(conf: dict[str, str], max_nodes: int) -> tuple[RendezvousSettings, EtcdSecurity]:
+    """A parsed --rdzv-conf of a job of at most `max_nodes` nodes as timings and etcd security; raises ValueError
+    or ValidationError."""
     known = [*RendezvousSettings.model_fields, *SECURITY_RDZV_CONF_KEYS]
     unknown = set(conf) - set(known) - IGNORED_RDZV_CONF_KEYS
     if unknown:
         raise ValueError(f"unknown --rdzv-conf key(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}")
-    timings = {k: v for k, v in conf.items() if k in RendezvousSettings.model_fields}
-    return RendezvousSettings(**timings), EtcdSecurity.from_conf(conf, os.environ)
+    timings: dict[str, object] = {k: v for k, v in conf.items() if k in RendezvousSettings.model_fields}
+    timings.setdefault("keep_alive_interval", default_keep_alive_interval(max_nodes))
+    return RendezvousSettings.model_validate(timings), EtcdSecurity.from_conf(conf, os.environ)
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
@@ -276,7 +279,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         min_nodes, max_nodes = parse_nnodes(args.nnodes)
         nproc = parse_nproc_per_node(str(args.nproc_per_node))
         conf = parse_rdzv_conf(args.rdzv_conf)
-        rdzv, security = rendezvous_conf(conf)
+        rdzv, security = rendezvous_conf(conf, max_nodes)
         redirects = parse_std_spec(args.redirects, "redirects")
         tee = parse_std_spec(args.tee, "tee")
         ranks_filter = {int(r) for r in args.local_ranks_filter.split(",") if r.strip()} or None

@@ -103,5 +103,12 @@ class Incarnation:
                     ) from None
                 logger.warning("etcd did not take this node's registration (%s); asking again", exc)
         keeper = LeaseKeeper(lease, config.rdzv.keep_alive_interval, on_lost, routes=routes).start()
-        logger.info("node %s (%s) joined job %s, lease %ds", config.node_id, addr, config.rdzv_id, lease.ttl)
+        logger.info(
+            "node %s (%s) joined job %s, lease %ds (refreshed every %gs)",
+            config.node_id,
+            addr,
+            config.rdzv_id,
+            lease.ttl,
+            config.rdzv.keep_alive_interval,
+        )
         return cls(lease=lease, record=record, keeper=keeper)

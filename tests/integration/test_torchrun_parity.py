@@ -119,3 +119,19 @@ def test_lines_matching_the_duplicate_filters_are_copied_into_the_attempts_filte
     filtered = (agent.log_dir / "n" / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
     assert sorted(filtered) == sorted(f"{text} on {rank}" for text in ("loss 1.5", "step, loss 1.2") for rank in "01")
     assert "noise on 0" in agent.text() and "noise on 1" in agent.text(), "the console still gets every line"
+
+
+@pytest.mark.parametrize(
+    ("flags", "interval", "ttl"),
+    [
+        ([], 1.0, 3),
+        (["--nnodes", "2:1024"], 1.0, 3),
+        (["--nnodes", "1:1025"], 5.0, 15),  # past a thousand nodes: torchrun's keep-alive
+        (["--nnodes", "4096"], 5.0, 15),
+        (["--nnodes", "4096", "--rdzv-conf", "keep_alive_interval=2"], 2.0, 6),  # one chosen is kept
+        (["--nnodes", "4096", "--rdzv-conf", "keep_alive_max_attempt=4"], 5.0, 20),
+    ],
+)
+def test_the_lease_refresh_interval_grows_with_the_job_unless_rdzv_conf_chooses_it(flags, interval, ttl):
+    rdzv = parse(*flags).rdzv
+    assert (rdzv.keep_alive_interval, rdzv.lease_ttl) == (interval, ttl)
