@@ -32,7 +32,6 @@ class WatchedBucket:
         self.count = watched_bucket_count(max_nodes)
         self.index = bucket_of(node, self.count)
         self.mirror = RangeMirror(store.client, store.keys.bucket_prefix(self.index))
-        self.read = 0  # rounds whose bucket had to be read: a count the watch did not serve
 
     def start(self) -> WatchedBucket:
         self.mirror.start()
@@ -45,7 +44,6 @@ class WatchedBucket:
         """This incarnation's place in the round `header` announces (None: not a member)."""
         bucket = self._watched(header) if header.buckets == self.count else None
         if bucket is None:
-            self.read += 1
             return self.store.read_member(header, self.node, incarnation)
         return bucket.member(self.node, incarnation)
 
