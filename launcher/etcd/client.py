@@ -22,7 +22,7 @@ from pyetcd import exceptions as etcd_exceptions
 
 from launcher.config import PASSWORD_ENV, EtcdSecurity, parse_endpoints
 from launcher.etcd import errors
-from launcher.etcd.errors import EtcdUnavailable, EtcdUnreachable, LeaseGone
+from launcher.etcd.errors import EtcdTimedOut, EtcdUnavailable, EtcdUnreachable, LeaseGone
 from launcher.etcd.pyetcd_internals import HookedClient, HookedWatcher
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,9 @@ _UNAVAILABLE_CODES = {
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN,  # etcd's "leader changed" and "connection reset" arrive as UNKNOWN
 }
+# etcd's own answer to a request it gave up on ("... request timed out", "... request timed out, possibly due to
+# previous leader failure"): proposed perhaps, and applied later
+_ETCD_TIMED_OUT = "etcdserver: request timed out"
 # The codes after which the next call goes to another endpoint: those of a member that failed, not of a refusal.
 _ENDPOINT_FAILED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
@@ -74,6 +77,8 @@ def translate(exc: grpc.RpcError) -> Exception:
     """The launcher's error for `exc`: EtcdUnavailable, LeaseGone, or `exc` itself, a refusal. etcd answers NOT_FOUND
     for a lease it no longer has, and for an unknown cluster member, which the launcher never asks about."""
     code = exc.code() if hasattr(exc, "code") else None
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED or _detail(exc).startswith(_ETCD_TIMED_OUT):
+        return EtcdTimedOut(f"{code.name if code else 'no status'}: {_detail(exc)}")
     if code is None or code in _UNAVAILABLE_CODES:
         return EtcdUnavailable(f"{code.name if code else 'no status'}: {_detail(exc)}")
     if code is grpc.StatusCode.NOT_FOUND:
@@ -146,8 +151,21 @@ class _FailoverClient(HookedClient):
 
     def __init__(self, *, user: str | None = None, password: str | None = None, **kwargs) -> None:
         self._login = (user, password) if user is not None and password is not None else None
+        self._timeout: float | None = None
         super().__init__(user=user, password=password, **kwargs)
         self._drop_call_credentials_without_tls()
+
+    @property
+    def timeout(self) -> float | None:
+        """The time limit of the calling thread's next unary call (pyetcd passes it with each)."""
+        factor = errors.PATIENCE.factor
+        if factor == 1 or self._timeout is None:
+            return self._timeout
+        return max(self._timeout, min(self._timeout * factor, errors.PATIENCE.until - time.monotonic()))
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self._timeout = seconds
 
     def _drop_call_credentials_without_tls(self) -> None:
         # gRPC sends call credentials only over TLS; the token travels in each call's metadata either way

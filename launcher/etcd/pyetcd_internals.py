@@ -13,6 +13,8 @@ shape used here, so an upgrade is noticed in CI, not in a job that cannot fail o
 - `authstub`, `kvstub`, `clusterstub`, `leasestub` and `maintenancestub`: properties returning the stubs cached
   for the endpoint in use, read at the start of every unary call; `metadata` and `call_credentials`: what
   every call sends, a login token among them; `pyetcd.client.EtcdTokenCallCredentials` wraps a token.
+- Every unary call passes the client's `timeout` attribute, read at that moment, as its deadline: a property of
+  ours in its place sets each call's own.
 - `Watcher._lock`, `_callback_thread`, `_stopping` and `_request_queue`: what `Watcher.close` touches; and the
   watcher opens its stream with `watchstub.Watch(requests, credentials=..., metadata=...)`.
 - `Watcher._handle_response(rs)` handles each response of the stream, and `_new_watch_cond` (on `_lock`) wakes the

@@ -48,7 +48,7 @@ from typing import Any, TypeAlias
 from pydantic import ValidationError
 
 from launcher.etcd.entry import Entry
-from launcher.etcd.errors import LeaseGone, call_with_retry
+from launcher.etcd.errors import EtcdTimedOut, LeaseGone, call_with_retry
 from launcher.rendezvous.records import (
     DrainReport,
     DrainRequest,
@@ -320,11 +320,23 @@ class JobStore:
         """Run one guarded transaction, retrying transient errors; True if it (or an earlier attempt) committed.
 
         `marker` is a key that `success` creates and nothing else does: when a retry finds its guard false,
-        the marker tells whether the reason is our own first attempt.
+        the marker tells whether the reason is our own first attempt. After an attempt etcd did not answer in time,
+        the marker is read before the transaction is sent again: etcd, slow, applies most of those later, and
+        thousands of nodes sending theirs again (4,096 acknowledging a round) would each add a copy to its backlog.
         """
+        timed_out = False
 
         def attempt() -> bool:
-            won, responses = self.client.transaction(compare=compare, success=success, failure=[self._tx.get(marker)])
+            nonlocal timed_out
+            try:
+                if timed_out and self.client.get_response(marker, count_only=True).count:
+                    return True
+                won, responses = self.client.transaction(
+                    compare=compare, success=success, failure=[self._tx.get(marker)]
+                )
+            except EtcdTimedOut:
+                timed_out = True
+                raise
             return won or bool(responses and responses[0])
 
         return call_with_retry(attempt, deadline_s=deadline_s)
