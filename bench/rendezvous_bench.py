@@ -460,7 +460,15 @@ ETCD_NICENESS = -10
 
 
 def raise_priority(pid: int, niceness: int) -> None:
-    """Every thread of `pid` at `niceness` (Linux keeps one per thread; threads made later inherit their maker's)."""
+    """Every thread of `pid` at `niceness` (Linux keeps one per thread; threads made later inherit their maker's),
+    and its session's CPU group too: with the kernel's autogroup on (/proc/sys/kernel/sched_autogroup_enabled), a
+    thread's nice level weighs only against its own session's threads, and etcd runs in a session of its own. With
+    only its threads at -10, in the stalls of a 4,096-agent run etcd's threads waited 7 to 55 times longer to run
+    than they ran."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(niceness))
+    except OSError as exc:  # no autogroup in this kernel, or not root
+        logger.debug("etcd's session group keeps its priority: %s", exc)
     try:
         tasks = [int(task) for task in os.listdir(f"/proc/{pid}/task")]
     except OSError:
