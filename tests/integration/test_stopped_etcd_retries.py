@@ -48,8 +48,8 @@ def test_a_stopped_etcd_is_asked_again_with_twice_the_time_each_time(etcd) -> No
     # 0.4 s, then 0.8 s, then a third attempt of 1.6 s that etcd answers once it runs again at 2 s (at a fixed
     # 0.4 s it would have been the fifth or sixth)
     assert len(durations) == 3, durations
-    assert durations[0] == pytest.approx(0.4, abs=0.2)
-    assert durations[1] == pytest.approx(0.8, abs=0.2)
+    assert 0.35 <= durations[0] < 0.8, durations  # a loaded machine may answer a deadline late, never early
+    assert 0.75 <= durations[1] < 1.4, durations
 
 
 def test_the_attempts_end_by_the_calls_deadline(etcd) -> None:
@@ -69,6 +69,6 @@ def test_the_attempts_end_by_the_calls_deadline(etcd) -> None:
         assert client.get("/patience")[0] == b"here"  # the next call has the client's own time again, and gets it
     finally:
         client.close()
-    assert 2.0 <= took < 2.0 + TIMEOUT_S + 0.5, durations
-    assert durations[0] == pytest.approx(0.4, abs=0.2)
-    assert durations[1] == pytest.approx(0.8, abs=0.2)
+    assert 2.0 <= took < 2.0 + TIMEOUT_S + 1.0, durations
+    assert 0.35 <= durations[0] < 0.8, durations
+    assert 0.75 <= durations[1] < 1.4, durations
