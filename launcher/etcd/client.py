@@ -77,12 +77,13 @@ def translate(exc: grpc.RpcError) -> Exception:
     """The launcher's error for `exc`: EtcdUnavailable, LeaseGone, or `exc` itself, a refusal. etcd answers NOT_FOUND
     for a lease it no longer has, and for an unknown cluster member, which the launcher never asks about."""
     code = exc.code() if hasattr(exc, "code") else None
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED or _detail(exc).startswith(_ETCD_TIMED_OUT):
-        return EtcdTimedOut(f"{code.name if code else 'no status'}: {_detail(exc)}")
+    detail = _detail(exc)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED or detail.startswith(_ETCD_TIMED_OUT):
+        return EtcdTimedOut(f"{code.name if code else 'no status'}: {detail}")
     if code is None or code in _UNAVAILABLE_CODES:
-        return EtcdUnavailable(f"{code.name if code else 'no status'}: {_detail(exc)}")
+        return EtcdUnavailable(f"{code.name if code else 'no status'}: {detail}")
     if code is grpc.StatusCode.NOT_FOUND:
-        return LeaseGone(_detail(exc))
+        return LeaseGone(detail)
     return exc
 
 
