@@ -7,6 +7,7 @@ no change is missed; if etcd compacted that history away, the range is read agai
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -31,6 +32,9 @@ class RangeMirror:
         # Protects _entries, revision, connected and _version; re-entrant so a signal handler may poke().
         self._changed = threading.Condition(threading.RLock())
         self._watch_id = None
+        # each watch request gets the next generation; only an error of the newest one's stream means the mirror
+        # lost its watch (an older stream's end is already dealt with)
+        self._generation = 0
         self._resuming = False
         self._closed = False
 
@@ -87,23 +91,25 @@ class RangeMirror:
         self._watch()
 
     def _watch(self) -> None:
+        with self._changed:
+            self._generation += 1
+            generation = self._generation
         watch_id = self.client.add_watch_prefix_callback(
-            self.prefix, self._on_response, start_revision=self.revision + 1
+            self.prefix, functools.partial(self._on_response, generation), start_revision=self.revision + 1
         )
         with self._changed:
-            if self._closed:
-                closed_meanwhile = True
-            else:
-                closed_meanwhile = False
+            closed_meanwhile = self._closed
+            # its stream may have failed before etcd's confirmation reached us: then _lost_stream has taken over
+            if not closed_meanwhile and generation == self._generation:
                 self._watch_id, self.connected = watch_id, True
                 self._bump()
         if closed_meanwhile:
             self.client.cancel_watch(watch_id)
 
-    def _on_response(self, response) -> None:
+    def _on_response(self, generation: int, response) -> None:
         """Runs on the client's watch thread: apply the changes, or start resuming after an error."""
-        if isinstance(response, Exception):
-            self._lost_stream(response)
+        if response is None or isinstance(response, Exception):  # None: pyetcd's word for a stream that just ended
+            self._lost_stream(generation, response)
             return
         with self._changed:
             newest = self.revision
@@ -129,12 +135,16 @@ class RangeMirror:
         self._version += 1
         self._changed.notify_all()
 
-    def _lost_stream(self, error: Exception) -> None:
+    def _lost_stream(self, generation: int, error: Exception | None) -> None:
         with self._changed:
-            if self._closed or self._resuming:
-                return
-            self.connected, self._watch_id, self._resuming = False, None, True
+            if self._closed or generation != self._generation:
+                return  # a stream the mirror no longer watches on
+            self._generation += 1  # the next error of this stream is stale
+            self.connected, self._watch_id = False, None
             self._bump()
+            if self._resuming:
+                return  # the resume under way sees that its new watch is not connected, and watches again
+            self._resuming = True
         logger.debug("watch on %s broke (%s); resuming after revision %d", self.prefix, error, self.revision)
         threading.Thread(target=self._resume, name="watch-resume", daemon=True).start()
 
@@ -147,20 +157,20 @@ class RangeMirror:
                     return
             try:
                 self._watch()
-                break
             except etcd_client.RevisionCompacted:
                 logger.info("etcd compacted the history of %s; reading it again", self.prefix)
                 try:
                     self._load_and_watch()
-                    break
                 except Exception as exc:
                     logger.debug("reloading %s failed: %s", self.prefix, exc)
             except Exception as exc:
                 logger.debug("resuming the watch on %s failed: %s", self.prefix, exc)
+            with self._changed:
+                if self.connected:  # and its stream has not failed since: _lost_stream clears it first
+                    self._resuming = False
+                    break
             delay = _RESUME_BACKOFF_S[min(attempt, len(_RESUME_BACKOFF_S) - 1)]
             attempt += 1
             with self._changed:
                 self._changed.wait_for(lambda: self._closed, delay)
-        with self._changed:
-            self._resuming = False
         logger.debug("watch on %s resumed after revision %d", self.prefix, self.revision)
