@@ -137,8 +137,11 @@ class RangeMirror:
 
     def _lost_stream(self, generation: int, error: Exception | None) -> None:
         with self._changed:
-            if self._closed or generation != self._generation:
-                return  # a stream the mirror no longer watches on
+            if self._closed:
+                return
+            if generation != self._generation:
+                logger.debug("watch on %s: a replaced stream ended (%s)", self.prefix, error)
+                return
             self._generation += 1  # the next error of this stream is stale
             self.connected, self._watch_id = False, None
             self._bump()
