@@ -18,9 +18,12 @@ After a save, the leader of each node (its lowest rank) sends its node's data fi
 node (nodes in rank order, the last to the first) in the background, over a gloo group of their own; the next
 save waits for that copy, unless a peer of the copy closed its connection: gloo may then wait forever, so the
 save aborts the groups and fails as its peers' collectives do. A step is loadable when some node has its
-snapshot.json and every data file it lists is whole on some node. To load it, the nodes send each other the
-files they lack (point to point, over the snapshot group), and every rank loads with DCP from its own node's
-folder: at any world size, as from disk.
+snapshot.json and every data file it lists is whole on some node. To load it, every rank plans its DCP reads,
+and the nodes send each other only the byte ranges of the files they lack that their ranks' plans read (point to
+point, over the snapshot group), into sparse files in a ``load/`` folder beside ``own/``; every rank then loads
+with DCP from its node's folder: at any world size, as from disk. A whole file is never sent: at an unchanged
+world size a rank reads all of its own file and a few percent of each other one (the replicated entries DCP
+spreads over the ranks' files), and whole files would bring every node (N-2)/N of the job's state per change.
 At most ``KEEP`` own snapshots and one peer copy (two while the next arrives) stay per node. Once ``KEEP`` are
 held, a save writes over the files of the oldest, through the mappings its ranks kept of them: a memory copy,
 no new pages, nothing freed during the step.
@@ -46,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from elastic import process_groups
@@ -129,11 +133,14 @@ def node_of(root: Path) -> str:
     return f"{socket.gethostname()}:{root.resolve()}"
 
 
-def plan_transfers(record: SnapshotRecord, leaders: list[int], inventories: list[Inventory]) -> list[Transfer]:
-    """What each node lacks of ``record`` (its data files and its metadata), each file sent by the first node
-    in rank order that holds it; ``leaders[i]`` is the rank that speaks for the node of ``inventories[i]``."""
+def plan_transfers(
+    record: SnapshotRecord, leaders: list[int], inventories: list[Inventory], names: tuple[str, ...] | None = None
+) -> list[Transfer]:
+    """What each node lacks of ``record`` (its data files and its metadata; only ``names`` when given), each file
+    sent by the first node in rank order that holds it; ``leaders[i]`` is the rank that speaks for the node of
+    ``inventories[i]``."""
     transfers = []
-    for name in (*record.files, METADATA):
+    for name in names if names is not None else (*record.files, METADATA):
         holders = [
             (leader, inv.held(record)[name]) for leader, inv in zip(leaders, inventories) if name in inv.held(record)
         ]
@@ -148,6 +155,72 @@ def plan_transfers(record: SnapshotRecord, leaders: list[int], inventories: list
     return transfers
 
 
+Ranges = dict[str, list[tuple[int, int]]]  # data file -> (offset, length) of the bytes read from it
+
+
+@dataclass(frozen=True)
+class RangeTransfer:
+    """Byte ranges of one data file, sent from the leader of a node that holds the file to the leader of a node
+    whose ranks read them; the receiver keeps them in a sparse file of the whole file's ``size``."""
+
+    name: str
+    size: int
+    ranges: tuple[tuple[int, int], ...]
+    source: int
+    destination: int
+
+    @property
+    def length(self) -> int:
+        return sum(length for _, length in self.ranges)
+
+
+def merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``ranges`` (offset, length) in order, overlapping and adjacent ones joined."""
+    joined: list[tuple[int, int]] = []
+    for offset, length in sorted(ranges):
+        if joined and offset <= joined[-1][0] + joined[-1][1]:
+            start, previous = joined[-1]
+            joined[-1] = (start, max(previous, offset + length - start))
+        else:
+            joined.append((offset, length))
+    return tuple(joined)
+
+
+def plan_range_transfers(
+    record: SnapshotRecord, leaders: list[int], inventories: list[Inventory], reads: list[Ranges]
+) -> list[RangeTransfer]:
+    """What each node's ranks read (``reads[i]``, the ranges of every rank of the node of ``inventories[i]``) of
+    the data files that node lacks, each file's ranges sent by the first node in rank order that holds it whole."""
+    transfers = []
+    for leader, inventory, read in zip(leaders, inventories, reads):
+        for name in sorted(set(read) - set(inventory.held(record))):
+            holders = [
+                (source, inv.held(record)[name])
+                for source, inv in zip(leaders, inventories)
+                if name in inv.held(record)
+            ]
+            if not holders:
+                raise ValueError(f"no node holds {name} of the memory snapshot of step {record.step}")
+            source, size = holders[0]
+            transfers.append(RangeTransfer(name, size, merged(read[name]), source, leader))
+    return transfers
+
+
+def planned_reads(folder: Path, state_dict: dict[str, Any], lacking: set[str]) -> Ranges:
+    """The byte ranges of the ``lacking`` data files that a DCP load of ``state_dict`` from the snapshot in
+    ``folder`` reads (SnapshotReader reads each item's whole stored range). Entries the snapshot lacks are left
+    out: whether they are loaded or regenerated is decided later, alike on every rank (loading.py)."""
+    metadata = SnapshotReader(folder).read_metadata()
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    planner.set_up_planner(state_dict, metadata, is_coordinator=False)
+    reads: Ranges = {}
+    for item in planner.create_local_plan().items:
+        stored = metadata.storage_data[item.storage_index]
+        if stored.relative_path in lacking and stored.length:
+            reads.setdefault(stored.relative_path, []).append((stored.offset, stored.length))
+    return {name: list(merged(ranges)) for name, ranges in reads.items()}
+
+
 class MemorySnapshots:
     """The snapshots of this job in its nodes' shared memory; every method is a collective of all ranks."""
 
@@ -157,8 +230,9 @@ class MemorySnapshots:
         self.root = root
         self._ranks = ranks
         self._copy_group = copy_group
-        self._leaders = sorted({nodes.index(node) for node in nodes})
-        self.leader = nodes.index(nodes[ranks.rank])
+        self._leader_of = [nodes.index(node) for node in nodes]
+        self._leaders = sorted(set(self._leader_of))
+        self.leader = self._leader_of[ranks.rank]
         self._node_files = {data_file(rank) for rank, node in enumerate(nodes) if node == nodes[ranks.rank]}
         self.is_leader = self.leader == ranks.rank
         position = self._leaders.index(self.leader)
@@ -232,34 +306,57 @@ class MemorySnapshots:
             logger.warning("could not copy the last memory snapshot to the next node: %s", error)
 
     def load(self, found: Found, state: dict[str, Any]) -> None:
-        """Gather the files of the snapshot ``found`` (``found_in``) on every node, then load it into ``state`` at
-        this world size. Call it before the next save, which may write over what the inventories list."""
+        """Gather what every node's ranks read of the snapshot ``found`` (``found_in``), then load it into
+        ``state`` at this world size. Call it before the next save, which may write over what the inventories
+        list."""
         started = time.monotonic()
         record = found.record
         folder = self._own(record.step)
-        transfers = plan_transfers(record, self._leaders, found.inventories)  # alike on every rank
-
-        def assemble() -> None:
-            self._assemble(record, folder, transfers)
-
-        if transfers:
-            # a node that receives files receives the metadata too, and its other ranks read it: every leader
-            # done first. Otherwise every node has the metadata already, and its leader only links its peer copy
-            self._ranks.agree(assemble, f"gathering the memory snapshot of step {record.step}")
-        load_folder(
-            self._ranks,
-            folder,
-            record.step,
-            state,
-            record.world_size,
-            SnapshotReader,
-            prepare=None if transfers else assemble,
+        metadata = plan_transfers(record, self._leaders, found.inventories, names=(METADATA,))
+        if metadata:
+            # the ranks of a node that receives the metadata read it next: every leader done first
+            self._ranks.agree(
+                lambda: self._assemble(record, folder, metadata),
+                f"gathering the metadata of step {record.step}'s snapshot",
+            )
+        dicts = state_dicts(state)
+        inventory = found.inventories[self._leaders.index(self.leader)]
+        lacking = set(record.files) - set(inventory.held(record))
+        reads = self._ranks.each(
+            lambda: planned_reads(folder, dicts, lacking), f"planning the reads of step {record.step}'s snapshot"
         )
+        by_node: list[Ranges] = [{} for _ in self._leaders]
+        for rank, ranges in enumerate(reads):
+            node = by_node[self._leaders.index(self._leader_of[rank])]
+            for name, read in ranges.items():
+                node.setdefault(name, []).extend(read)
+        transfers = plan_range_transfers(record, self._leaders, found.inventories, by_node)
+        if transfers:
+            loading = self.root / "load" / f"step-{record.step}"
+            self._ranks.agree(
+                lambda: self._receive_ranges(record, folder, loading, transfers),
+                f"gathering the parts of step {record.step}'s snapshot that the ranks read",
+            )
+            load_folder(self._ranks, loading, record.step, state, record.world_size, SnapshotReader, dicts=dicts)
+            if self.is_leader:  # every rank's read ended before the load's last collective
+                shutil.rmtree(loading, ignore_errors=True)
+        else:  # every node holds whole what its ranks read: its leader links its peer copy into place
+            load_folder(
+                self._ranks,
+                folder,
+                record.step,
+                state,
+                record.world_size,
+                SnapshotReader,
+                prepare=lambda: self._assemble(record, folder, []),
+                dicts=dicts,
+            )
         logger.info(
-            "loaded step %d from memory (saved by %d ranks, now %d) in %.2fs",
+            "loaded step %d from memory (saved by %d ranks, now %d; %d bytes sent between nodes) in %.2fs",
             record.step,
             record.world_size,
             self._ranks.world_size,
+            sum(transfer.length for transfer in transfers) + sum(transfer.size for transfer in metadata),
             time.monotonic() - started,
         )
 
@@ -400,6 +497,43 @@ class MemorySnapshots:
         for path in received:
             _partial(path).replace(path)
         _write_atomically(folder / RECORD, record.model_dump_json().encode())
+
+    def _receive_ranges(
+        self, record: SnapshotRecord, folder: Path, loading: Path, transfers: list[RangeTransfer]
+    ) -> None:
+        """Fill ``loading`` with what this node's ranks read of ``record``: links to the whole files the node
+        holds (its peer copy linked into ``folder`` first), and sparse files holding the received ranges; and
+        send other nodes the ranges they read of this node's files. Leaders; the other ranks return."""
+        if not self.is_leader:
+            return
+        self._assemble(record, folder, [])
+        shutil.rmtree(loading.parent, ignore_errors=True)  # and what a load that never ended left
+        loading.mkdir(parents=True)
+        for name in (*_whole_files(folder, record.files), METADATA):
+            os.link(folder / name, loading / name)
+        operations: list[dist.P2POp] = []
+        received: list[tuple[RangeTransfer, torch.Tensor]] = []
+        for tag, transfer in enumerate(transfers):
+            if transfer.source == self._ranks.rank:
+                data = mapped_file(folder / transfer.name)
+                parts = torch.cat([data[offset : offset + length] for offset, length in transfer.ranges])
+                operations.append(
+                    dist.P2POp(dist.isend, parts, group=self._ranks.group, group_peer=transfer.destination, tag=tag)
+                )
+            elif transfer.destination == self._ranks.rank:
+                buffer = torch.empty(transfer.length, dtype=torch.uint8)
+                operations.append(
+                    dist.P2POp(dist.irecv, buffer, group=self._ranks.group, group_peer=transfer.source, tag=tag)
+                )
+                received.append((transfer, buffer))
+        _complete(operations)
+        for transfer, buffer in received:
+            # tmpfs allocates only the pages written: the ranges nobody reads take no memory
+            file = torch.from_file(str(loading / transfer.name), shared=True, size=transfer.size, dtype=torch.uint8)
+            at = 0
+            for offset, length in transfer.ranges:
+                file[offset : offset + length] = buffer[at : at + length]
+                at += length
 
     def _copy_to_next(self, folder: Path, record: SnapshotRecord) -> None:
         """Send this node's data files of ``record`` to the next node's leader, and take the previous node's."""

@@ -4,7 +4,9 @@ folders of their own (as elastic-run's agents give them), losing a node and resh
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -24,11 +26,14 @@ from elastic.checkpoint.memory import (
     RECORD,
     Inventory,
     MemorySnapshots,
+    RangeTransfer,
     SnapshotRecord,
     Transfer,
     found_in,
+    merged,
     newest_loadable,
     node_of,
+    plan_range_transfers,
     plan_transfers,
 )
 from elastic.checkpoint.ranks import Ranks
@@ -105,6 +110,38 @@ def test_a_file_no_node_holds_is_refused() -> None:
         plan_transfers(record(5), [0], [holding((record(5), True, (A,)))])
 
 
+@pytest.mark.parametrize(
+    ("ranges", "expected"),
+    [
+        ([], ()),
+        ([(64, 8), (0, 16)], ((0, 16), (64, 8))),
+        ([(0, 16), (16, 16)], ((0, 32),)),  # adjacent: one range
+        ([(0, 32), (8, 8), (24, 24)], ((0, 48),)),  # inside, then overlapping past the end
+    ],
+)
+def test_read_ranges_are_sorted_and_joined(ranges, expected) -> None:
+    assert merged(ranges) == expected
+
+
+def test_range_transfers_send_only_what_a_node_lacks_and_reads() -> None:
+    five = record(5, (A, B, "__2_0.distcp"))
+    inventories = [
+        holding((five, True, (A, B))),  # rank 0's node holds two files whole
+        holding((five, True, ("__2_0.distcp",))),  # rank 2's node the third
+        Inventory((), {}),  # rank 4's node joined with nothing
+    ]
+    reads = [
+        {A: [(0, 8)]},  # what node 0's ranks read: all of it held
+        {A: [(0, 8), (4, 8)], B: [(32, 4)]},
+        {"__2_0.distcp": [(0, 10)]},  # node 4 reads nothing of A or B
+    ]
+    assert plan_range_transfers(five, [0, 2, 4], inventories, reads) == [
+        RangeTransfer(A, 10, ((0, 12),), 0, 2),
+        RangeTransfer(B, 10, ((32, 4),), 0, 2),
+        RangeTransfer("__2_0.distcp", 10, ((0, 10),), 2, 4),
+    ]
+
+
 SNAPSHOT_STEP = 3
 
 
@@ -137,6 +174,18 @@ def load_after_loss(rank: int, world_size: int, disk: str, node_dirs: list[str],
     manager.close()
     loaded = full_state(model, optimizer)  # a collective: every rank gathers
     return step, loaded if rank == 0 else None
+
+
+def load_counting_bytes(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
+    """load_after_loss from memory, with the bytes the load says it sent between nodes."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda entry: said.append(entry.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(memory.__name__).addHandler(handler)
+    logging.getLogger(memory.__name__).setLevel(logging.INFO)
+    step, loaded = load_after_loss(rank, world_size, disk, node_dirs, True)
+    sent = [int(re.search(r"; (\d+) bytes sent between nodes", line).group(1)) for line in said if "bytes sent" in line]
+    return step, loaded, sent
 
 
 def load_with_slow_leaders(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
@@ -178,6 +227,35 @@ def test_reshard_from_memory_after_a_node_loss_equals_reshard_from_disk(tmp_path
     assert_identical(from_memory[0][1], from_disk[0][1])
     assert_identical(from_memory[0][1], expected)
     assert (Path(nodes[2]) / "own" / f"step-{SNAPSHOT_STEP}" / "snapshot.json").exists(), "node 2 was given the files"
+
+
+@pytest.mark.timeout(240)
+def test_a_load_sends_a_new_node_only_what_its_ranks_read(tmp_path: Path) -> None:
+    """4 ranks on 2 nodes snapshot into memory; node 1 is lost; 4 ranks load on node 0 and a new node 2. Node 2
+    holds nothing: its ranks read all of the lost node's files and a few entries of node 0's (DCP spreads the
+    replicated ones over the ranks' files). Only that is sent, with the metadata, not the four whole files, and
+    what loads is what was saved."""
+    disk = str(tmp_path / "disk")
+    nodes = [str(tmp_path / f"node{index}") for index in range(3)]
+    for node in nodes:
+        Path(node).mkdir()
+    expected = run_ranks(4, train_with_snapshots, disk, nodes[:2])[0]
+    own = Path(nodes[0]) / "own" / f"step-{SNAPSHOT_STEP}"
+    (peer,) = (Path(nodes[0]) / "peer").iterdir()
+    sizes = {f.name: f.stat().st_size for folder in (own, peer) for f in folder.iterdir() if f.suffix == ".distcp"}
+    assert sorted(sizes) == [data_file(rank) for rank in range(4)]
+    shutil.rmtree(nodes[1])
+
+    loaded = run_ranks(4, load_counting_bytes, str(tmp_path / "empty"), [nodes[0], nodes[2]])
+    assert [step for step, _, _ in loaded] == [SNAPSHOT_STEP] * 4
+    assert_identical(loaded[0][1], expected)
+    sent = {said[0] for _, _, said in loaded}
+    assert len(sent) == 1, f"the ranks disagree on what was sent: {sent}"
+    (sent_bytes,) = sent
+    metadata = (own / METADATA).stat().st_size
+    lost_nodes_files = sizes[data_file(2)] + sizes[data_file(3)]
+    assert lost_nodes_files + metadata <= sent_bytes < sum(sizes.values()) + metadata, (sent_bytes, sizes, metadata)
+    assert not (Path(nodes[2]) / "load").exists() or not any((Path(nodes[2]) / "load").iterdir())
 
 
 @pytest.mark.timeout(240)
