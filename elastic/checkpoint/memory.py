@@ -320,17 +320,19 @@ class MemorySnapshots:
                 f"gathering the metadata of step {record.step}'s snapshot",
             )
         dicts = state_dicts(state)
-        inventory = found.inventories[self._leaders.index(self.leader)]
-        lacking = set(record.files) - set(inventory.held(record))
-        reads = self._ranks.each(
-            lambda: planned_reads(folder, dicts, lacking), f"planning the reads of step {record.step}'s snapshot"
-        )
-        by_node: list[Ranges] = [{} for _ in self._leaders]
-        for rank, ranges in enumerate(reads):
-            node = by_node[self._leaders.index(self._leader_of[rank])]
-            for name, read in ranges.items():
-                node.setdefault(name, []).extend(read)
-        transfers = plan_range_transfers(record, self._leaders, found.inventories, by_node)
+        lacking = [set(record.files) - set(inventory.held(record)) for inventory in found.inventories]
+        transfers: list[RangeTransfer] = []
+        if any(lacking):  # alike on every rank; one node, or two whose copies completed, hold every file
+            mine = lacking[self._leaders.index(self.leader)]
+            reads = self._ranks.each(
+                lambda: planned_reads(folder, dicts, mine), f"planning the reads of step {record.step}'s snapshot"
+            )
+            by_node: list[Ranges] = [{} for _ in self._leaders]
+            for rank, ranges in enumerate(reads):
+                node = by_node[self._leaders.index(self._leader_of[rank])]
+                for name, read in ranges.items():
+                    node.setdefault(name, []).extend(read)
+            transfers = plan_range_transfers(record, self._leaders, found.inventories, by_node)
         if transfers:
             loading = self.root / "load" / f"step-{record.step}"
             self._ranks.agree(
