@@ -9,6 +9,8 @@ folder holds::
                        data was written
     peer/<digest>/     the previous node's data files of one snapshot (named by its metadata's digest, so files
                        of two saves of one step never mix), each renamed into place once whole
+    load/step-<N>/     while a load that receives ranges runs: links to the whole files the node holds, and
+                       sparse files holding the received ranges; removed once every rank read it
 
 A round's first snapshot is planned by DCP across the ranks; the next ones reuse that plan while every rank's
 state keeps its layout (snapshot_plans.py): two collectives a snapshot, one before the writes (the leaders
