@@ -33,6 +33,7 @@ no new pages, nothing freed during the step.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -43,6 +44,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,18 +145,23 @@ def plan_transfers(
     ``inventories[i]``."""
     transfers = []
     for name in names if names is not None else (*record.files, METADATA):
-        holders = [
-            (leader, inv.held(record)[name]) for leader, inv in zip(leaders, inventories) if name in inv.held(record)
-        ]
-        if not holders:
-            raise ValueError(f"no node holds {name} of the memory snapshot of step {record.step}")
-        source, size = holders[0]
+        source, size = _first_holder(record, name, leaders, inventories)
         transfers += [
             Transfer(name, size, source, leader)
             for leader, inv in zip(leaders, inventories)
             if name not in inv.held(record)
         ]
     return transfers
+
+
+def _first_holder(
+    record: SnapshotRecord, name: str, leaders: list[int], inventories: list[Inventory]
+) -> tuple[int, int]:
+    """The leader of the first node in rank order that holds ``name`` of ``record`` whole, and the file's size."""
+    for leader, inventory in zip(leaders, inventories):
+        if name in inventory.held(record):
+            return leader, inventory.held(record)[name]
+    raise ValueError(f"no node holds {name} of the memory snapshot of step {record.step}")
 
 
 Ranges = dict[str, list[tuple[int, int]]]  # data file -> (offset, length) of the bytes read from it
@@ -196,14 +203,7 @@ def plan_range_transfers(
     transfers = []
     for leader, inventory, read in zip(leaders, inventories, reads):
         for name in sorted(set(read) - set(inventory.held(record))):
-            holders = [
-                (source, inv.held(record)[name])
-                for source, inv in zip(leaders, inventories)
-                if name in inv.held(record)
-            ]
-            if not holders:
-                raise ValueError(f"no node holds {name} of the memory snapshot of step {record.step}")
-            source, size = holders[0]
+            source, size = _first_holder(record, name, leaders, inventories)
             transfers.append(RangeTransfer(name, size, merged(read[name]), source, leader))
     return transfers
 
@@ -335,26 +335,20 @@ class MemorySnapshots:
                 for name, read in ranges.items():
                     node.setdefault(name, []).extend(read)
             transfers = plan_range_transfers(record, self._leaders, found.inventories, by_node)
+        source = folder
+        # without ranges to receive, every node holds whole what its ranks read: its leader links its peer copy
+        prepare: Callable[[], None] | None = functools.partial(self._assemble, record, folder, [])
         if transfers:
-            loading = self.root / "load" / f"step-{record.step}"
+            source, prepare = self.root / "load" / f"step-{record.step}", None
             self._ranks.agree(
-                lambda: self._receive_ranges(record, folder, loading, transfers),
+                lambda: self._receive_ranges(record, folder, source, transfers),
                 f"gathering the parts of step {record.step}'s snapshot that the ranks read",
             )
-            load_folder(self._ranks, loading, record.step, state, record.world_size, SnapshotReader, dicts=dicts)
-            if self.is_leader:  # every rank's read ended before the load's last collective
-                shutil.rmtree(loading, ignore_errors=True)
-        else:  # every node holds whole what its ranks read: its leader links its peer copy into place
-            load_folder(
-                self._ranks,
-                folder,
-                record.step,
-                state,
-                record.world_size,
-                SnapshotReader,
-                prepare=lambda: self._assemble(record, folder, []),
-                dicts=dicts,
-            )
+        load_folder(
+            self._ranks, source, record.step, state, record.world_size, SnapshotReader, prepare=prepare, dicts=dicts
+        )
+        if transfers and self.is_leader:  # every rank's read ended before the load's last collective
+            shutil.rmtree(source, ignore_errors=True)
         logger.info(
             "loaded step %d from memory (saved by %d ranks, now %d; %d bytes sent between nodes) in %.2fs",
             record.step,
