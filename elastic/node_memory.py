@@ -37,10 +37,16 @@ _SWEPT = ".elastic-memory-swept"
 _LOCK = ".elastic-memory-lock"
 
 
-def node_memory_dir(job_id: str, node_id: str) -> Path:
-    """The folder of ``node_id``'s snapshots in job ``job_id`` (both are restricted to [A-Za-z0-9._:-])."""
-    base = SHARED_MEMORY if os.access(SHARED_MEMORY, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"{_PREFIX}{job_id}-{node_id.replace(':', '_')}"
+def node_memory_dir(job_id: str, node_id: str, agent_pid: int) -> Path:
+    """The folder of ``node_id``'s snapshots in job ``job_id`` (both are restricted to [A-Za-z0-9._:-]), held by
+    the agent ``agent_pid``. The pid is in the name, as in the agent's doorbell: two agents with one job id and
+    node id on one host (two jobs that name theirs alike against two etcds) never empty each other's folder."""
+    return memory_base() / f"{_PREFIX}{job_id}-{node_id.replace(':', '_')}-{agent_pid}"
+
+
+def memory_base() -> Path:
+    """Where the nodes' folders lie: ``/dev/shm``, or the temp folder where no writable ``/dev/shm`` exists."""
+    return SHARED_MEMORY if os.access(SHARED_MEMORY, os.W_OK) else Path(tempfile.gettempdir())
 
 
 def _identity(pid: int) -> dict[str, object]:

@@ -103,7 +103,7 @@ class Agent:
         self.liveness = LivenessServer(self.addr)  # answers the controller's probes while this agent lives
         # a worker's exit or its ring wakes the loop, which otherwise looks at the workers every monitor_interval
         self.wakeups = WorkerWakeups(config.node_id, self.mirror.poke)
-        self.memory_dir = node_memory.node_memory_dir(config.rdzv_id, config.node_id)  # workers' snapshots
+        self.memory_dir = node_memory.node_memory_dir(config.rdzv_id, config.node_id, os.getpid())  # workers' snapshots
         self.warm = _warm_pool(config, self.addr)
         standby = StandbyWorkers(config, self.warm) if self.warm is not None else None
         self.workers = RoundWorkers(config, self.store, self.node_id, worker_group, self.warm, standby)

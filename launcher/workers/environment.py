@@ -96,7 +96,7 @@ def _round_free_env(
         TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
     # where CheckpointManager(memory_every=...) keeps snapshots; the agent holds the folder for the job's life
-    env[MEMORY_DIR_ENV] = str(node_memory_dir(config.rdzv_id, node))
+    env[MEMORY_DIR_ENV] = str(node_memory_dir(config.rdzv_id, node, os.getpid()))  # built by the agent
     # under elastic.run, how long a worker whose collective failed waits for the round that replaces the lost
     # peer: the peer's lease must expire first, then the round is handed over
     env[ROUND_WAIT_ENV] = f"{config.rdzv.lease_ttl + config.inprocess_timeout:g}"

@@ -26,6 +26,23 @@ def owned_by_a_process_that_exited(folder) -> None:
     (folder / "own").mkdir()
 
 
+def test_two_agents_with_one_job_and_node_id_on_a_host_keep_their_own_folders():
+    """Two jobs named alike against two etcds (or two test runs side by side): the second agent to start must
+    not empty the first one's snapshots, as it did while the folder was named by job and node id only."""
+    first = node_memory.node_memory_dir("job", "a", os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    second = node_memory.node_memory_dir("job", "a", child.pid)
+    try:
+        node_memory.create_empty(first)
+        (first / "own").mkdir()
+        node_memory.create_empty(second)
+        assert first != second and (first / "own").is_dir(), "the other agent's snapshots are kept"
+    finally:
+        child.communicate(b"")
+        shutil.rmtree(first, ignore_errors=True)
+        shutil.rmtree(second, ignore_errors=True)
+
+
 def test_folders_whose_owner_is_gone_are_freed_and_no_other(tmp_path):
     mine = tmp_path / "elastic-job-a"
     node_memory.create_empty(mine)
