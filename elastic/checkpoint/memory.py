@@ -16,19 +16,20 @@ A round's first snapshot is planned by DCP across the ranks; the next ones reuse
 state keeps its layout (snapshot_plans.py): two collectives a snapshot, one before the writes (the leaders
 prepared the folders, and every rank says whether the plan still fits it) and one after (every rank wrote, and
 the write results, from which each leader completes the metadata).
-After a save, the leader of each node (its lowest rank) sends its node's data files to the leader of the next
-node (nodes in rank order, the last to the first) in the background, over a gloo group of their own; the next
-save waits for that copy, unless a peer of the copy closed its connection: gloo may then wait forever, so the
-save aborts the groups and fails as its peers' collectives do. A step is loadable when some node has its
-snapshot.json and every data file it lists is whole on some node. To load it, every rank plans its DCP reads,
-and the nodes send each other only the byte ranges of the files they lack that their ranks' plans read (point to
-point, over the snapshot group), into sparse files in a ``load/`` folder beside ``own/``; every rank then loads
-with DCP from its node's folder: at any world size, as from disk. A whole file is never sent: at an unchanged
-world size a rank reads all of its own file and a few percent of each other one (the replicated entries DCP
-spreads over the ranks' files), and whole files would bring every node (N-2)/N of the job's state per change.
-At most ``KEEP`` own snapshots and one peer copy (two while the next arrives) stay per node. Once ``KEEP`` are
-held, a save writes over the files of the oldest, through the mappings its ranks kept of them: a memory copy,
-no new pages, nothing freed during the step.
+After a save, the leader of each node (its lowest rank) sends its node's data files to the leader of the next node
+(nodes in rank order, the last to the first) in the background, over a gloo group of their own; the next save waits
+for that copy, unless a peer of the copy closed its connection: gloo may then wait forever, so the save aborts the
+groups and fails as its peers' collectives do. A copy that failed before its sends and receives ended (a file it
+could not read or write) aborts them too: the neighbouring copies may wait on it for good. A step is loadable when
+some node has its snapshot.json and every data file it lists is whole on some node. To load it, every rank plans its
+DCP reads, and the nodes send each other only the byte ranges of the files they lack that their ranks' plans read
+(point to point, over the snapshot group), into sparse files in a ``load/`` folder beside ``own/``; every rank then
+loads with DCP from its node's folder: at any world size, as from disk. A whole file is never sent: at an unchanged
+world size a rank reads all of its own file and a few percent of each other one (the replicated entries DCP spreads
+over the ranks' files), and whole files would bring every node (N-2)/N of the job's state per change. At most
+``KEEP`` own snapshots and one peer copy (two while the next arrives) stay per node. Once ``KEEP`` are held, a save
+writes over the files of the oldest, through the mappings its ranks kept of them: a memory copy, no new pages,
+nothing freed during the step.
 """
 
 from __future__ import annotations
@@ -243,6 +244,7 @@ class MemorySnapshots:
         self._written = MappedFiles(KEEP)
         self._copy: threading.Thread | None = None
         self._copy_error: BaseException | None = None
+        self._copy_broke_off = False  # the failed copy left before its sends and receives all ended
         self._copied: int | None = None  # the newest own step whose part reached the next node
         self._plan: SnapshotPlan | None = None  # the last snapshot's plan, for the next one if it fits every rank
 
@@ -292,6 +294,7 @@ class MemorySnapshots:
         whose peer closed its connection ends only when this process's groups are aborted (gloo may wait on a
         peer that died mid-message forever): they are, so this rank fails like its peers and takes the next
         round, instead of blocking until elastic-run finds its node stalled."""
+        aborted = False
         if self._copy is not None:
             while self._copy.is_alive():
                 self._copy.join(COPY_CHECK_S)
@@ -301,11 +304,19 @@ class MemorySnapshots:
                         "the round): aborting this process's groups"
                     )
                     process_groups.abort_all()
+                    aborted = True
                     self._copy.join()
             self._copy = None
         if self._copy_error is not None:
             error, self._copy_error = self._copy_error, None
             logger.warning("could not copy the last memory snapshot to the next node: %s", error)
+            if self._copy_broke_off and not aborted:
+                # the neighbours' copies may wait for sends or receives this one never posted, and their next
+                # saves with them, while this rank would wait in the next save's collective: all stood until the
+                # watchdog's allowance ran out. Aborted, this rank fails at once and its neighbours' copies see
+                # the closed connections, so every rank takes the next round as it does after a peer's death.
+                logger.warning("aborting this process's groups: the next node's copy may wait on this one for good")
+                process_groups.abort_all()
 
     def load(self, found: Found, state: dict[str, Any]) -> None:
         """Gather what every node's ranks read of the snapshot ``found`` (``found_in``), then load it into
@@ -535,6 +546,7 @@ class MemorySnapshots:
 
     def _copy_to_next(self, folder: Path, record: SnapshotRecord) -> None:
         """Send this node's data files of ``record`` to the next node's leader, and take the previous node's."""
+        exchanged = False
         try:
             started = time.monotonic()
             mine = sorted(_whole_files(folder, record.files).items())
@@ -563,6 +575,7 @@ class MemorySnapshots:
                 for tag, (name, size) in enumerate(theirs)
             ]
             _complete(operations)
+            exchanged = True
             for name, _ in theirs:
                 _partial(peer / name).replace(peer / name)
             self._copied = record.step
@@ -574,6 +587,7 @@ class MemorySnapshots:
             )
         except Exception as error:  # reported by the next save; the snapshot is still whole on this node
             self._copy_error = error
+            self._copy_broke_off = not exchanged
 
     def _exchange(self, data: torch.Tensor) -> torch.Tensor:
         """Send ``data`` to the next node's leader and return what the previous node's leader sent."""

@@ -485,3 +485,44 @@ def test_a_save_does_not_wait_for_a_copy_whose_peer_closed_its_connection(tmp_pa
     assert closed_after
     assert waited_s < 5, f"the save waited {waited_s:.1f}s for a copy whose peer was gone"
     assert aborts == 1
+
+
+def copy_failing_before_its_exchange(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> tuple[str, float]:
+    """Rank 0's copy of step 1 fails before it sent or received a byte; how each rank's save of step 2 ends."""
+    process_groups.track_group_sockets()  # as elastic.run does: the manager's groups are made after this
+    os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
+    if rank == 0:
+
+        def unreadable(self: MemorySnapshots, data: torch.Tensor) -> torch.Tensor:
+            raise FileNotFoundError("a data file of the snapshot vanished before it was sent")
+
+        MemorySnapshots._exchange = unreadable  # type: ignore[method-assign]
+    model, optimizer = sharded(seed=0)
+    manager = CheckpointManager(disk, every=100, async_save=False, check_at_start=False, memory_every=1)
+    state = {"model": ModelState(model, optimizer)}
+    for step in (1, 2):
+        assert manager.should_save(step)
+        began = time.monotonic()
+        try:
+            manager.save(step, state)  # step 1: rank 0's copy fails at once, rank 1's waits for rank 0's files
+        except RuntimeError as error:
+            return f"step {step}: {type(error).__name__}", time.monotonic() - began
+    return "saved", time.monotonic() - began
+
+
+@pytest.mark.timeout(120)
+def test_a_copy_that_failed_before_its_exchange_fails_every_ranks_next_save_at_once(tmp_path: Path) -> None:
+    """A leader's copy that fails before its sends and receives (here a file it could not read) left the next
+    node's copy waiting for good, and that node's next save with it, while the failed leader went on into the
+    save's collective: every rank stood until the watchdog's allowance (60 s in a test run where a neighbouring
+    test emptied a node's folder). Now the failed leader aborts its groups, and both saves fail within seconds
+    (a failed collective: elastic.run takes the next round)."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    outcomes = run_ranks(
+        2, copy_failing_before_its_exchange, str(tmp_path / "disk"), [str(n) for n in nodes], timeout=60
+    )
+    for outcome, seconds in outcomes:
+        assert outcome.startswith("step 2:"), outcomes
+        assert seconds < 10, outcomes
