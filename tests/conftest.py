@@ -8,6 +8,35 @@ from launcher.etcd.server import EtcdServer
 # for leases of 2 s and more; the clusters whose elections the tests are about set their own timing.
 SINGLE_MEMBER_TIMING = ("--heartbeat-interval", "10", "--election-timeout", "100")
 
+# The modules whose tests train or start many torch interpreters keep both cores busy (1.5 cores on average,
+# measured per test from /proc/stat); the rest mostly wait, on leases, timeouts and etcd outages (0.7 cores).
+# pytest-xdist (addopts: -n 2 --dist loadgroup) runs the first kind one at a time on one worker, in one group,
+# while its second worker runs the rest beside them: two trainings never share the 2 cores, and the waiting no
+# longer leaves them idle.
+BUSY_MODULES = {
+    "test_checkpoint_foreign_state",
+    "test_checkpoint_memory",
+    "test_checkpoint_reshard",
+    "test_drain",
+    "test_elastic_training",
+    "test_inprocess_rounds",
+    "test_integrations_frameworks",
+    "test_launcher_scenarios",
+    "test_multihost_netns",
+    "test_progress_train",
+    "test_scenario_script",
+    "test_torchtitan",
+    "test_warm_workers",
+    "test_worker_wakeups",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in BUSY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("busy"))
+
 
 @pytest.fixture
 def etcd():
