@@ -44,7 +44,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing: `python bench/recovery_bench.py`
 
-from elastic.node_memory import memory_base  # noqa: E402
+from elastic.node_memory import job_memory_dirs  # noqa: E402
 from launcher.etcd.server import EtcdServer, free_port  # noqa: E402
 from launcher.workers.process_tree import child_pids  # noqa: E402
 
@@ -310,7 +310,7 @@ class Job:
                 logger.warning("  agent pid %d did not exit after SIGKILL", agent.pid)
         if self.etcd is not None:
             self.etcd.stop()
-        for folder in memory_base().glob(f"elastic-{self.rdzv_id}-*"):
+        for folder in job_memory_dirs(self.rdzv_id):
             shutil.rmtree(folder, ignore_errors=True)  # the agents' memory folders: their processes were killed
         deadline = time.monotonic() + settle_s
         while leftover := processes_mentioning(str(self.workdir)):

@@ -843,7 +843,7 @@ class RendezvousRun:
 
     def clean_up(self) -> None:
         """Validity and anomalies, then everything this N started is stopped and (without --keep-logs) removed."""
-        from elastic.node_memory import memory_base
+        from elastic.node_memory import job_memory_dirs
 
         hosts = self._hosts
         if hosts is not None:
@@ -858,7 +858,7 @@ class RendezvousRun:
             self.client.close()
         if hosts is not None:
             hosts.stop()
-        for folder in memory_base().glob(f"elastic-{self.rdzv_id}-*"):
+        for folder in job_memory_dirs(self.rdzv_id):
             shutil.rmtree(folder, ignore_errors=True)  # the agents' memory folders: their processes were killed
         if self.etcd is not None:
             self.etcd.stop()

@@ -44,6 +44,11 @@ def node_memory_dir(job_id: str, node_id: str, agent_pid: int) -> Path:
     return memory_base() / f"{_PREFIX}{job_id}-{node_id.replace(':', '_')}-{agent_pid}"
 
 
+def job_memory_dirs(job_id: str) -> list[Path]:
+    """The folders of job ``job_id``'s agents on this host, for a harness that killed them to remove."""
+    return sorted(memory_base().glob(f"{_PREFIX}{job_id}-*"))
+
+
 def memory_base() -> Path:
     """Where the nodes' folders lie: ``/dev/shm``, or the temp folder where no writable ``/dev/shm`` exists."""
     return SHARED_MEMORY if os.access(SHARED_MEMORY, os.W_OK) else Path(tempfile.gettempdir())
