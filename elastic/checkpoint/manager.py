@@ -179,7 +179,10 @@ class CheckpointManager:
         self._ensure_open()
         if self._memory is not None and self._memory_step == step:
             self._memory_step = None
-            self._memory.save(step, state)
+            try:
+                self._memory.save(step, state)
+            except (RankFailure, CheckpointException) as error:  # raised on every rank: every rank turns them off
+                self._stop_memory_snapshots(step, error)
             if self._memory_only:
                 return
         with long_operation("checkpoint save"):
@@ -281,6 +284,22 @@ class CheckpointManager:
                 )
             return None
         return MemorySnapshots(root, snapshots, copies.group, nodes)
+
+    def _stop_memory_snapshots(self, step: int, error: BaseException) -> None:
+        """No more snapshots in memory from this manager (this round): one failed on some rank, most likely for
+        want of room in the node's shared memory, and it would fail again at every step. The disk checkpoints go
+        on; the snapshots already held stay loadable."""
+        assert self._memory is not None
+        memory, self._memory = self._memory, None
+        memory.discard(step)
+        if self._ranks.rank == 0:
+            logger.warning(
+                "could not snapshot step %d into the nodes' memory (%s): snapshots in memory are off until the next "
+                "round, checkpoints go to disk only. Give the nodes more shared memory (docker run --shm-size, or "
+                "a larger /dev/shm) or pass memory_every=0",
+                step,
+                describe_error(error),
+            )
 
     def _load_from_memory(self, state: dict[str, Any]) -> int | None:
         """Load the newest memory snapshot if no committed checkpoint is newer; its step, else None. The nodes'

@@ -20,7 +20,9 @@ After a save, the leader of each node (its lowest rank) sends its node's data fi
 (nodes in rank order, the last to the first) in the background, over a gloo group of their own; the next save waits
 for that copy, unless a peer of the copy closed its connection: gloo may then wait forever, so the save aborts the
 groups and fails as its peers' collectives do. A copy that failed before its sends and receives ended (a file it
-could not read or write) aborts them too: the neighbouring copies may wait on it for good. A step is loadable when
+could not read or write) aborts them too: the neighbouring copies may wait on it for good; a leader with no room
+for its previous node's files says so before any is sent, and the two skip that copy. Every file's pages are
+allotted before it is written: a full tmpfs is an ENOSPC, not a SIGBUS. A step is loadable when
 some node has its snapshot.json and every data file it lists is whole on some node. To load it, every rank plans its
 DCP reads, and the nodes send each other only the byte ranges of the files they lack that their ranks' plans read
 (point to point, over the snapshot group), into sparse files in a ``load/`` folder beside ``own/``; every rank then
@@ -60,7 +62,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from elastic import process_groups
 from elastic.checkpoint.loading import load_folder, state_dicts
 from elastic.checkpoint.ranks import Ranks
-from elastic.checkpoint.snapshot_format import MappedFiles, SnapshotReader, SnapshotWriter, data_file, mapped_file
+from elastic.checkpoint.snapshot_format import (
+    MappedFiles,
+    SnapshotReader,
+    SnapshotWriter,
+    data_file,
+    filled_in_place,
+    mapped_file,
+)
 from elastic.checkpoint.snapshot_plans import RecordingPlanner, SnapshotPlan, local_plan
 
 logger = logging.getLogger(__name__)
@@ -246,6 +255,8 @@ class MemorySnapshots:
         self._copy_error: BaseException | None = None
         self._copy_broke_off = False  # the failed copy left before its sends and receives all ended
         self._copied: int | None = None  # the newest own step whose part reached the next node
+        self._room = (True, True)  # whether the last copy had room here, and on the next node
+        self._no_room_here = ""  # why not, when it had none here
         self._plan: SnapshotPlan | None = None  # the last snapshot's plan, for the next one if it fits every rank
 
     @property
@@ -317,6 +328,12 @@ class MemorySnapshots:
                 # the closed connections, so every rank takes the next round as it does after a peer's death.
                 logger.warning("aborting this process's groups: the next node's copy may wait on this one for good")
                 process_groups.abort_all()
+
+    def discard(self, step: int) -> None:
+        """Free what a save of ``step`` that failed wrote on this node (leaders; it never counted: no record)."""
+        folder = self._own(step)
+        if self.is_leader and _record_in(folder) is None:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def load(self, found: Found, state: dict[str, Any]) -> None:
         """Gather what every node's ranks read of the snapshot ``found`` (``found_in``), then load it into
@@ -538,14 +555,16 @@ class MemorySnapshots:
         _complete(operations)
         for transfer, buffer in received:
             # tmpfs allocates only the pages written: the ranges nobody reads take no memory
-            file = torch.from_file(str(loading / transfer.name), shared=True, size=transfer.size, dtype=torch.uint8)
+            file = filled_in_place(loading / transfer.name, transfer.size, transfer.ranges)
             at = 0
             for offset, length in transfer.ranges:
                 file[offset : offset + length] = buffer[at : at + length]
                 at += length
 
     def _copy_to_next(self, folder: Path, record: SnapshotRecord) -> None:
-        """Send this node's data files of ``record`` to the next node's leader, and take the previous node's."""
+        """Send this node's data files of ``record`` to the next node's leader, and take the previous node's. A
+        leader that has no room for the previous node's files says so before any is sent, and neither side posts
+        them: the copy ends at once on both, and the snapshot stays whole on its own node."""
         exchanged = False
         try:
             started = time.monotonic()
@@ -553,41 +572,77 @@ class MemorySnapshots:
             header = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
             theirs = json.loads(self._exchange(header).numpy().tobytes())
             peer = self._peer(record.metadata_sha256)
-            peer.mkdir(parents=True, exist_ok=True)
-            operations = [
-                dist.P2POp(
-                    dist.isend,
-                    mapped_file(folder / name),
-                    group=self._copy_group,
-                    group_peer=self._next,
-                    tag=tag,
-                )
-                for tag, (name, _) in enumerate(mine)
-            ]
+            receiving = self._room_for(peer, theirs, record.step)
+            room = torch.tensor([receiving is not None], dtype=torch.uint8)
+            next_room = torch.zeros(1, dtype=torch.uint8)
+            self._send_receive(room, next_room, backwards=True)
+            operations = []
+            if next_room.item():
+                operations = [
+                    dist.P2POp(
+                        dist.isend,
+                        mapped_file(folder / name),
+                        group=self._copy_group,
+                        group_peer=self._next,
+                        tag=tag,
+                    )
+                    for tag, (name, _) in enumerate(mine)
+                ]
             operations += [
-                dist.P2POp(
-                    dist.irecv,
-                    _file_to_fill(peer / name, size),
-                    group=self._copy_group,
-                    group_peer=self._previous,
-                    tag=tag,
-                )
-                for tag, (name, size) in enumerate(theirs)
+                dist.P2POp(dist.irecv, buffer, group=self._copy_group, group_peer=self._previous, tag=tag)
+                for tag, buffer in enumerate(receiving or [])
             ]
             _complete(operations)
             exchanged = True
-            for name, _ in theirs:
-                _partial(peer / name).replace(peer / name)
-            self._copied = record.step
-            for other in peer.parent.iterdir():
-                if other != peer:
-                    shutil.rmtree(other, ignore_errors=True)
+            self._report_room(receiving is not None, bool(next_room.item()), record.step, mine)
+            if receiving is not None:
+                for name, _ in theirs:
+                    _partial(peer / name).replace(peer / name)
+                for other in peer.parent.iterdir():
+                    if other != peer:
+                        shutil.rmtree(other, ignore_errors=True)
+            if next_room.item():
+                self._copied = record.step
             logger.debug(
                 "copied step %d's memory snapshot to the next node in %.3fs", record.step, time.monotonic() - started
             )
         except Exception as error:  # reported by the next save; the snapshot is still whole on this node
             self._copy_error = error
             self._copy_broke_off = not exchanged
+
+    def _room_for(self, peer: Path, files: list[tuple[str, int]], step: int) -> list[torch.Tensor] | None:
+        """The previous node's ``files`` mapped in ``peer`` with their pages allotted, or None (and nothing left
+        behind) where this node's memory has no room for them."""
+        try:
+            peer.mkdir(parents=True, exist_ok=True)
+            return [_file_to_fill(peer / name, size) for name, size in files]
+        except OSError as error:
+            shutil.rmtree(peer, ignore_errors=True)
+            self._no_room_here = f"{error.strerror or error} ({sum(size for _, size in files)} bytes of step {step})"
+            return None
+
+    def _report_room(self, here: bool, on_next: bool, step: int, mine: list[tuple[str, int]]) -> None:
+        """Say when copies stop fitting, on either side, and when they fit again; not at every snapshot."""
+        if (here, on_next) == self._room:
+            return
+        self._room = (here, on_next)
+        if not here:
+            logger.warning(
+                "no room in %s for the previous node's copy of its memory snapshot: %s. Until there is, a loss of "
+                "that node loads an older snapshot or the disk checkpoint; give the node more shared memory "
+                "(docker run --shm-size, or a larger /dev/shm)",
+                self.root,
+                self._no_room_here,
+            )
+        if not on_next:
+            logger.warning(
+                "the next node had no room for this node's part of step %d's memory snapshot (%d bytes): it is "
+                "not copied, and a loss of this node loads an older snapshot or the disk checkpoint",
+                step,
+                sum(size for _, size in mine),
+            )
+        if here and on_next:
+            logger.info("the memory snapshots are copied between nodes again, from step %d", step)
 
     def _exchange(self, data: torch.Tensor) -> torch.Tensor:
         """Send ``data`` to the next node's leader and return what the previous node's leader sent."""
@@ -598,11 +653,14 @@ class MemorySnapshots:
         self._send_receive(data, theirs)
         return theirs
 
-    def _send_receive(self, mine: torch.Tensor, theirs: torch.Tensor) -> None:
+    def _send_receive(self, mine: torch.Tensor, theirs: torch.Tensor, backwards: bool = False) -> None:
+        """Send ``mine`` to the next node's leader and receive ``theirs`` from the previous one's (``backwards``:
+        the other way round)."""
+        to, of = (self._previous, self._next) if backwards else (self._next, self._previous)
         _complete(
             [
-                dist.P2POp(dist.isend, mine, group=self._copy_group, group_peer=self._next),
-                dist.P2POp(dist.irecv, theirs, group=self._copy_group, group_peer=self._previous),
+                dist.P2POp(dist.isend, mine, group=self._copy_group, group_peer=to),
+                dist.P2POp(dist.irecv, theirs, group=self._copy_group, group_peer=of),
             ]
         )
 
@@ -620,7 +678,7 @@ def _file_to_fill(path: Path, size: int) -> torch.Tensor:
     filled), so that what is received lands in the file with no copy in between."""
     partial = _partial(path)
     partial.unlink(missing_ok=True)
-    return torch.from_file(str(partial), shared=True, size=size, dtype=torch.uint8)
+    return filled_in_place(partial, size)
 
 
 def _partial(path: Path) -> Path:

@@ -10,9 +10,11 @@ metadata is DCP's own, so planning, resharding and the foreign-key checks work a
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import io
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -51,6 +53,20 @@ def mapped_file(path: Path) -> torch.Tensor:
     return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
 
 
+def filled_in_place(path: Path, size: int, ranges: Iterable[tuple[int, int]] | None = None) -> torch.Tensor:
+    """``path``, created or resized to ``size`` bytes, mapped shared: what is written to the tensor is in the file.
+    Its pages (only those of the ``(offset, length)`` ranges, when given) are allotted first. tmpfs allots a page
+    when it is first written, and a write through a mapping that finds the filesystem full kills the process with
+    SIGBUS (a container's /dev/shm is 64 MB unless told otherwise); allotted first, a full one raises ENOSPC
+    before a byte is written."""
+    with open(path, "ab") as stream:
+        stream.truncate(size)
+        for offset, length in [(0, size)] if ranges is None else ranges:
+            if length:
+                os.posix_fallocate(stream.fileno(), offset, length)
+    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8) if size else _EMPTY
+
+
 def data_file(rank: int) -> str:
     """The file that rank ``rank`` of the saving group writes its items to."""
     return f"__{rank}_0.distcp"
@@ -66,18 +82,22 @@ class MappedFiles:
         self._mapped: collections.OrderedDict[tuple[int, int], torch.Tensor] = collections.OrderedDict()
 
     def of_size(self, path: Path, size: int) -> torch.Tensor:
-        """The bytes of ``path``, created or resized to ``size``, as a tensor: what is written to it is in the file."""
-        with open(path, "ab") as stream:
-            stream.truncate(size)
-            status = os.fstat(stream.fileno())
-        key = (status.st_dev, status.st_ino)
-        mapped = self._mapped.pop(key, None)
+        """The bytes of ``path``, created or resized to ``size``, as a tensor: what is written to it is in the file.
+        A full filesystem raises ENOSPC here, before anything is written (``filled_in_place``)."""
+        mapped = None
+        with contextlib.suppress(FileNotFoundError):
+            mapped = self._mapped.pop(_identity(path), None)
         if mapped is None or mapped.numel() != size:
-            mapped = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8) if size else _EMPTY
-        self._mapped[key] = mapped
+            mapped = filled_in_place(path, size)
+        self._mapped[_identity(path)] = mapped
         while len(self._mapped) > self._keep:  # the files of older snapshots: gone, or to be written anew
             self._mapped.popitem(last=False)
         return mapped
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    status = path.stat()
+    return status.st_dev, status.st_ino
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)

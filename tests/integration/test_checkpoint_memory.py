@@ -17,7 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiproc import run_ranks
+from small_tmpfs import small_tmpfs
 from test_checkpoint_reshard import assert_identical, full_state, sharded
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from elastic import process_groups
 from elastic.checkpoint import CheckpointManager, ModelState, memory
@@ -526,3 +530,100 @@ def test_a_copy_that_failed_before_its_exchange_fails_every_ranks_next_save_at_o
     for outcome, seconds in outcomes:
         assert outcome.startswith("step 2:"), outcomes
         assert seconds < 10, outcomes
+
+
+class Said(logging.Handler):
+    """The messages of one logger, kept."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+        logging.getLogger(name).addHandler(self)
+        logging.getLogger(name).setLevel(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def wide_model() -> torch.nn.Module:
+    """1 MB of weights per rank of two, sharded: a snapshot larger than the small memory below."""
+    model = torch.nn.Linear(1024, 512, bias=False)
+    fully_shard(model)
+    return model
+
+
+def train_where_memory_is_full(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
+    """Memory snapshots every step into a node memory too small for one; to disk every 2 steps."""
+    os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
+    said = Said("elastic.checkpoint.manager")
+    model = wide_model()
+    manager = CheckpointManager(disk, keep=2, async_save=False, check_at_start=False, every=2, memory_every=1)
+    state = {"model": ModelState(model)}
+    for step in range(1, 5):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        if manager.should_save(step):
+            manager.save(step, state)
+    turned_off = manager._memory is None
+    manager.close()
+    return turned_off, said.messages, sorted(os.listdir(Path(node_dirs[rank]) / "own"))
+
+
+@pytest.mark.timeout(120)
+def test_a_snapshot_that_does_not_fit_in_memory_turns_snapshots_off_and_training_goes_on(tmp_path: Path) -> None:
+    """A container's /dev/shm is 64 MB unless told otherwise. A snapshot larger than the room left killed every
+    rank with SIGBUS at its first step, and again in every round until the job failed, its root cause a peer's
+    broken connection. Now the first snapshot fails with ENOSPC on some rank, every rank turns snapshots in
+    memory off with one warning that names the fix, frees what it wrote, and the disk checkpoints go on."""
+    with contextlib.ExitStack() as mounts:
+        nodes = [str(mounts.enter_context(small_tmpfs(tmp_path / f"node{index}", 256 << 10))) for index in range(2)]
+        outcomes = run_ranks(2, train_where_memory_is_full, str(tmp_path / "disk"), nodes, timeout=90)
+        for turned_off, _, own in outcomes:
+            assert turned_off
+            assert own == [], "the failed snapshot's files were freed"
+        warnings = [message for message in outcomes[0][1] if "snapshots in memory are off" in message]
+        assert len(warnings) == 1 and "No space left on device" in warnings[0] and "--shm-size" in warnings[0]
+        assert outcomes[1][1] == [line for line in outcomes[1][1] if "memory" not in line], "rank 0 warns alone"
+    assert sorted(path.name for path in (tmp_path / "disk").iterdir() if path.name.startswith("step-")) == [
+        "step-2",
+        "step-4",
+    ]
+
+
+def uneven_state() -> dict[str, Any]:
+    """3 rows of 0.5 MB over 2 ranks: rank 0 holds 2 (its file is 1 MB), rank 1 holds 1."""
+    mesh = init_device_mesh("cpu", (2,))
+    rows = torch.arange(3 * 131072, dtype=torch.float32).reshape(3, 131072)
+    return {"model": {"rows": distribute_tensor(rows, mesh, [Shard(0)])}}
+
+
+def snapshot_with_no_room_for_a_copy(rank: int, world_size: int, node_dirs: list[str]) -> Any:
+    said = Said(memory.__name__)
+    root = Path(node_dirs[rank])
+    ranks = Ranks(dist.group.WORLD)
+    snapshots = MemorySnapshots(root, ranks, dist.new_group(backend="gloo"), ranks.gather(node_of(root)))
+    state = uneven_state()
+    aborts = process_groups.aborts()
+    for step in range(1, 5):
+        snapshots.save(step, state)
+    snapshots.wait_for_copy()
+    peer = root / "peer"
+    copies = sorted(path.name for folder in peer.iterdir() for path in folder.iterdir()) if peer.is_dir() else []
+    return process_groups.aborts() - aborts, copies, said.messages
+
+
+@pytest.mark.timeout(120)
+def test_a_node_with_no_room_for_its_peer_copy_refuses_it_and_the_snapshots_go_on(tmp_path: Path) -> None:
+    """Node 1's memory holds its own two snapshots, not node 0's 1 MB part beside them. The copy used to map the
+    file unallotted and receive into it: SIGBUS in node 1's leader. Now node 1 says it has no room before a byte
+    is sent; node 0 sends nothing, neither side aborts, every snapshot completes, node 1's part still reaches
+    node 0, and each side says so once, not at every step."""
+    node0 = tmp_path / "node0"
+    node0.mkdir()
+    with small_tmpfs(tmp_path / "node1", 1280 << 10) as node1:
+        outcomes = run_ranks(2, snapshot_with_no_room_for_a_copy, [str(node0), str(node1)], timeout=90)
+    (aborts0, copies0, said0), (aborts1, copies1, said1) = outcomes
+    assert aborts0 == aborts1 == 0
+    assert copies0 == [data_file(1)] and copies1 == []
+    assert [line for line in said1 if "no room in" in line and "No space left" in line] == said1[:1]
+    assert len([line for line in said0 if "next node had no room" in line]) == 1

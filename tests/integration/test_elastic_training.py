@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -255,3 +257,36 @@ def test_a_node_paused_past_the_probe_timeout_is_fenced_rejoins_and_nothing_comm
     assert final[-1] == steps
     for step in committed_before:
         assert step in final or len([s for s in final if s > step]) >= keep, f"step-{step} deleted, not by retention"
+
+
+@pytest.mark.timeout(180)
+def test_a_job_whose_node_memory_is_too_small_for_a_snapshot_trains_on_to_disk(tmp_path):
+    """The job a user starts in a container with its default 64 MB /dev/shm and a real model; here /dev/shm is
+    256 KB (in a mount namespace of the job's own) and the tiny model's snapshot is larger. Every worker died of
+    SIGBUS at its first snapshot, in every round, until the job failed. Now the job trains to the end in round 0,
+    on disk checkpoints, having said once why snapshots in memory are off and how to give them room."""
+    ckpt = tmp_path / "ckpt"
+    command = (
+        "mount -t tmpfs -o size=256k tmpfs /dev/shm && exec elastic-run --standalone --nproc-per-node 2 "
+        f"{REPO / 'examples' / 'train.py'} --steps 12 --ckpt-dir {ckpt} --ckpt-every 6 --d-model 128"
+    )
+    if os.geteuid() != 0:
+        pytest.skip("a mount namespace needs root")
+    job = subprocess.Popen(
+        ["unshare", "--mount", "sh", "-c", command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        output, _ = job.communicate(timeout=150)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, output[-3000:]
+    assert "Bus error" not in output
+    assert output.count("snapshots in memory are off") == 1, output[-3000:]
+    assert "round 1" not in output
+    assert [entry.step for entry in scan(ckpt) if entry.committed] == [0, 6, 12]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from small_tmpfs import small_tmpfs, used_bytes
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from elastic.checkpoint.snapshot_format import MappedFiles, RawBytes, SnapshotReader, SnapshotWriter
+from elastic.checkpoint.snapshot_format import MappedFiles, RawBytes, SnapshotReader, SnapshotWriter, filled_in_place
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,3 +69,26 @@ def test_a_snapshot_written_over_an_older_file_reads_back_its_own_values(tmp_pat
         dcp.load(loaded, storage_reader=SnapshotReader(tmp_path), no_dist=True)
         assert all(torch.equal(loaded[n], v) for n, v in newer.items() if isinstance(v, torch.Tensor))
     assert (tmp_path / "__0_0.distcp").stat().st_size == 2 * 2 * 4, "the file holds the smaller snapshot alone"
+
+
+def test_a_file_that_does_not_fit_raises_enospc_before_a_byte_is_written(tmp_path):
+    """tmpfs allots a page when it is first written: writing through the mapping of a file larger than the room
+    left killed the writer with SIGBUS (a container's 64 MB /dev/shm and a real model). Its pages are now allotted
+    when the file is made, so a full filesystem is an OSError the checkpoint code can handle."""
+    with small_tmpfs(tmp_path / "shm", 64 << 10) as shm:
+        with pytest.raises(OSError) as raised:
+            MappedFiles(2).of_size(shm / "snapshot", 1 << 20)
+        assert raised.value.errno == errno.ENOSPC
+        fits = MappedFiles(2).of_size(shm / "fits", 32 << 10)
+        fits.fill_(7)
+        assert used_bytes(shm) >= 32 << 10
+
+
+def test_only_the_ranges_asked_for_take_memory(tmp_path):
+    """A load receives a few ranges of another node's file into a sparse one: only those take pages."""
+    with small_tmpfs(tmp_path / "shm", 64 << 10) as shm:
+        sparse = filled_in_place(shm / "sparse", 1 << 30, [(0, 4096), (1 << 29, 4096)])
+        sparse[(1 << 29) : (1 << 29) + 4096] = 1
+        assert used_bytes(shm) <= 16 << 10
+        with pytest.raises(OSError):
+            filled_in_place(shm / "too-much", 1 << 30, [(0, 1 << 20)])
