@@ -24,6 +24,7 @@ import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -332,8 +333,8 @@ def main(config: TrainConfig, placement: Placement, dataset: CharWindows) -> Non
         start = (manager.load_latest(state) if manager else None) or 0
     loaded = time.perf_counter()
     if config.stop_at is not None and start >= config.stop_at:
+        finish(manager, start, state)
         logger.info("checkpoint of step %d is committed, at or past --stop-at %d: nothing to do", start, config.stop_at)
-        finish(manager)
         return
     if rank == 0:
         logger.info(
@@ -356,7 +357,9 @@ def main(config: TrainConfig, placement: Placement, dataset: CharWindows) -> Non
     batches = iter(
         DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers, pin_memory=device.type == "cuda")
     )
+    last = start  # the step the model is at
     for step in range(start + 1, config.steps + 1):
+        last = step
         started = time.perf_counter()
         seed_all(derive_seed(seed, step))  # global RNG state is a function of the step, never checkpointed
         lr = schedule.current_lrs()[0]
@@ -394,22 +397,22 @@ def main(config: TrainConfig, placement: Placement, dataset: CharWindows) -> Non
             os._exit(CRASH_EXIT_CODE)
         # to disk every --ckpt-every steps, or when elastic-run drains before a node joins or leaves; else into
         # memory every --memory-every steps (every rank asks); the manager marks a save to disk as a long operation
-        if manager and (manager.should_save(step) or step in (config.steps, config.stop_at)):
+        if manager and manager.should_save(step):
             manager.save(step, state)
         if config.stop_at == step:
-            assert manager is not None  # TrainConfig rejects --stop-at without --ckpt-dir
-            with long_operation("checkpoint commit"):
-                manager.wait()
+            finish(manager, step, state)
             logger.info("checkpoint of step %d committed; stopping (--stop-at)", step)
-            break
+            return
         heartbeat(step)  # progress, for elastic-run's watchdog: a hung rank is found, its stacks dumped
-    finish(manager)
+    finish(manager, last, state)
 
 
-def finish(manager: CheckpointManager | None) -> None:
+def finish(manager: CheckpointManager | None, step: int, state: dict[str, Any]) -> None:
+    """The last step to disk (unless committed already: a resumed run may have loaded it from memory), and shut
+    down."""
     with long_operation("finish: last checkpoint, shutdown"):
         if manager:
-            manager.close()
+            manager.finish(step, state)
         dist.destroy_process_group()
 
 

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
@@ -203,6 +203,23 @@ class CheckpointManager:
         self._verified.add(attempt.id)
         self._prune()
 
+    def finish(self, step: int, state: dict[str, Any]) -> None:
+        """End the job at ``step``: commit ``state`` as ``step`` to disk unless that checkpoint is committed already,
+        then ``close``. Call it on every rank after the last step, including when there was nothing left to train:
+        a run resumed at its last step may have loaded it from memory, which dies with elastic-run's agents, and a
+        job that ended with its last state in memory only would have trained for nothing."""
+        self._ensure_open()
+        with long_operation("checkpoint save"):
+            self.wait()
+            durable = self._ranks.agree(
+                lambda: any(entry.committed for entry in scan(self.directory) if entry.step == step),
+                f"looking for step {step} in {self.directory}",
+                only_rank0=True,
+            )
+            if not durable:
+                self._save(step, state, in_background=False)
+        self.close()
+
     def close(self) -> None:
         """Wait for the save in flight, then release the stager and the manager's own process group."""
         if self._closed:
@@ -250,7 +267,9 @@ class CheckpointManager:
         aborts = process_groups.aborts()
         try:
             metadata_sha256 = self._saver.write(attempt, state_dict)
-        except (Exception, CheckpointException):  # raised on every rank
+        except (RankFailure, CheckpointException) as error:  # raised on every rank
+            self._raise_failed(attempt, error, f"saving step {step} to {attempt.target}")
+        except Exception:
             self._discard(attempt)
             raise
 
@@ -339,9 +358,24 @@ class CheckpointManager:
     def _agree_or_discard(self, attempt: Attempt, action: Any, what: str, only_rank0: bool = False) -> None:
         try:
             self._ranks.agree(action, what, only_rank0=only_rank0)
-        except RankFailure:
-            self._discard(attempt)
-            raise
+        except RankFailure as error:
+            self._raise_failed(attempt, error, what)
+
+    def _raise_failed(self, attempt: Attempt, error: RankFailure | CheckpointException, what: str) -> NoReturn:
+        """Discard the attempt of a save that failed on some rank (every rank knows it), and raise the failure as a
+        RankFailure (DCP's CheckpointException is no Exception: a script's handlers, elastic.run and torchrun's
+        error file all miss it), saying so when the disk is full: a full disk surfaces as whatever the writer
+        tripped on ("unexpected pos 704 vs 598"). The space is measured before the attempt is deleted."""
+        shortage = self._ranks.agree(
+            lambda: _space_shortage(self.directory), f"measuring the free space of {self.directory}", only_rank0=True
+        )
+        self._discard(attempt)
+        if isinstance(error, RankFailure) and not shortage:
+            raise error
+        message = str(error) if isinstance(error, RankFailure) else f"{what} failed: {describe_error(error)}"
+        if shortage:  # first: a line cut short keeps it
+            message = f"{shortage}: {message}. Free some space, or keep fewer checkpoints (CheckpointManager's keep)"
+        raise RankFailure(message) from error
 
     def _discard(self, attempt: Attempt) -> None:
         if self._ranks.rank != 0:
@@ -379,3 +413,16 @@ class CheckpointManager:
             time.monotonic() - started,
             self._ranks.world_size,
         )
+
+
+def _space_shortage(directory: Path) -> str | None:
+    """What to say about ``directory``'s filesystem when it is (nearly) full: a save that failed there most likely
+    failed for want of room."""
+    try:
+        status = os.statvfs(directory)
+    except OSError:
+        return None
+    free, size = status.f_bavail * status.f_frsize, status.f_blocks * status.f_frsize
+    if free >= min(size // 20, 1 << 30):
+        return None
+    return f"no room in {directory} ({free / 2**20:.1f} MiB free of {size / 2**20:.1f} MiB)"

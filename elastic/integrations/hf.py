@@ -122,15 +122,15 @@ class ElasticCallback(TrainerCallback):
             self.last_samples = [i for pass_ in self.sampler.step_plan() for i in pass_.indices]
             self.sampler.complete_step()
         step = state.global_step
-        # should_save is a collective: every rank asks at every step, before the last-step test
-        if self._manager.should_save(step) or step == state.max_steps:
+        if self._manager.should_save(step):  # a collective: every rank asks at every step
             self._manager.save(step, self._state)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self._manager is not None:
-            self._manager.close()
+            # the last step to disk, unless it is there: a run resumed at its end may have loaded it from memory
+            self._manager.finish(state.global_step, self._state)
             self._manager = None
 
     def _install_sampler(self, dataloader: Any, args: TrainingArguments) -> ElasticSampler:

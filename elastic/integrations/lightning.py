@@ -141,7 +141,8 @@ class ElasticCallback(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._manager is not None:
-            self._manager.close()
+            # the last step to disk, unless it is there: a run resumed at its end may have loaded it from memory
+            self._manager.finish(trainer.global_step, self._state)
             self._manager = None
 
     def _disk_every(self, trainer: pl.Trainer) -> int:

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from elastic import process_groups
 from elastic.checkpoint import CheckpointManager, ModelState, memory
+from elastic.checkpoint.layout import scan
 from elastic.checkpoint.memory import (
     METADATA,
     RECORD,
@@ -627,3 +628,41 @@ def test_a_node_with_no_room_for_its_peer_copy_refuses_it_and_the_snapshots_go_o
     assert copies0 == [data_file(1)] and copies1 == []
     assert [line for line in said1 if "no room in" in line and "No space left" in line] == said1[:1]
     assert len([line for line in said0 if "next node had no room" in line]) == 1
+
+
+def finish_after_resuming_from_memory(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
+    """Snapshots of steps 1-3 in memory only; a second manager resumes at step 3, the job's last, and finishes."""
+    os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
+    model, optimizer = sharded(seed=0)
+    state = {"model": ModelState(model, optimizer)}
+    first = CheckpointManager(disk, async_save=False, check_at_start=False, every=100, memory_every=1)
+    for step in range(1, 4):
+        model(torch.randn(4, 6)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert first.should_save(step)
+        first.save(step, state)
+    first.close()
+    resumed = CheckpointManager(disk, async_save=False, check_at_start=False, every=100, memory_every=1)
+    assert resumed.load_latest(state) == 3
+    committed_before = [entry.step for entry in scan(disk) if entry.committed]
+    resumed.finish(3, state)
+    again = CheckpointManager(disk, async_save=False, check_at_start=False)
+    again.finish(3, state)  # committed already: nothing is written
+    return committed_before, [(entry.step, entry.record.round) for entry in scan(disk) if entry.committed]
+
+
+@pytest.mark.timeout(120)
+def test_finish_commits_a_last_step_loaded_from_memory(tmp_path: Path) -> None:
+    """A run that resumes at its last step from a snapshot in memory has nothing left to train. The example, the
+    HF and the Lightning callbacks then closed the manager, and the job ended with its last state in memory only:
+    gone with the agents (a full disk that failed every save made exactly that happen, with exit code 0).
+    ``finish`` commits it to disk, and only once."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    for before, after in run_ranks(
+        2, finish_after_resuming_from_memory, str(tmp_path / "disk"), [str(n) for n in nodes]
+    ):
+        assert before == []
+        assert after == [(3, 0)]
