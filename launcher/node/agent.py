@@ -326,14 +326,17 @@ class Agent:
     def _fence(self, silent_for: float) -> None:
         """Kill our workers now; end this incarnation once etcd answers, then rejoin as a newcomer."""
         if not self._fence_pending:
+            self._fence_pending = True
+            killing = time.monotonic()
+            self.workers.stop(signal.SIGKILL)
+            # said once they are gone: whoever reads it (a test, an operator) may take it that they are
             logger.warning(
-                "etcd has not confirmed this node's lease for %.1fs of its %ds: killing the workers "
+                "etcd has not confirmed this node's lease for %.1fs of its %ds: killed the workers (in %.2fs) "
                 "before the job moves on without them",
                 silent_for,
                 self.me.lease.ttl,
+                time.monotonic() - killing,
             )
-            self._fence_pending = True
-            self.workers.stop(signal.SIGKILL)
         try:
             self.store.revoke(self.me.record.lease, deadline_s=self.config.monitor_interval)
         except EtcdUnavailable:

@@ -60,7 +60,7 @@ def test_workers_are_fenced_when_etcd_is_gone_for_most_of_the_lease_and_the_job_
         cluster.wait_for(lambda: not any(is_running(p) for p in workers), 10, "the workers to be fenced")
     finally:
         etcd.process.send_signal(signal.SIGCONT)
-    assert "killing the workers before the job moves on without them" in agent.text()
+    assert "before the job moves on without them" in agent.text()
     cluster.wait_for(lambda: len(cluster.events("round_started")) >= 2, 30, "the node to rejoin in a new round")
     cluster.stop_training()
     assert agent.wait(timeout=90) == 0, cluster.dump()

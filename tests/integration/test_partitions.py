@@ -37,7 +37,7 @@ FAST_RDZV = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=
 ELECTION_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=4,last_call_timeout=1,join_timeout=60"
 # lease TTL 6 s: fencing only after 5.75 s without etcd
 SLOW_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=6,last_call_timeout=1,join_timeout=60"
-FENCE_TEXT = "killing the workers before the job moves on without them"
+FENCE_TEXT = "before the job moves on without them"
 STEP_TIME = 0.05
 # where `python -m launcher.commands.cli` is imported from: set PARTITION_LAUNCHER_ROOT to a directory holding a
 # modified copy of launcher/ to try a change against these cases without touching the tree
