@@ -9,7 +9,9 @@ with the probe under elastic.run (survivors re-enter in process), torchrun with 
      been training a while: elastic-run's warm workers for the next round are ready by then);
   3. hit the LAST node (never the first, which hosts torchrun's c10d store): SIGKILL or SIGSTOP its agent and
      its workers, or SIGKILL one of its workers; or (cascade) SIGKILL one worker of node1 and, 3 s after the job
-     trains again, SIGKILL the last node: a second fault while the first's round is young;
+     trains again, SIGKILL the last node: a second fault while the first's round is young; or (young-stop) the
+     same crash, then SIGSTOP of the last node 2.5 steps after the job trains again, before its peers' workers
+     have stepped enough in the new round to show their pace;
   4. time the first probe collective of the next world completed after the fault (4 workers after a lost
      node, 6 in a later round after a crash), capped at --deadline.
 
@@ -65,14 +67,22 @@ TORCHRUN_TUNED_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_
 TORCHRUN_DEFAULT_CONF = ""
 
 LAUNCHERS = ("elastic-run", "elastic-run-cold", "elastic-run-inprocess", "torchrun", "torchrun-defaults")
-FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "crash": signal.SIGKILL, "cascade": signal.SIGKILL}
+FAULTS = {
+    "kill": signal.SIGKILL,
+    "stop": signal.SIGSTOP,
+    "crash": signal.SIGKILL,
+    "cascade": signal.SIGKILL,
+    "young-stop": signal.SIGSTOP,
+}
 FAULT_NAMES = {
     "kill": "node SIGKILL",
     "stop": "node SIGSTOP",
     "crash": "one worker SIGKILL",
     "cascade": "node SIGKILL 3 s after a crash's recovery",
+    "young-stop": "node SIGSTOP 2.5 steps after a crash's recovery",
 }
 CASCADE_AFTER_S = 3.0  # from the first fault's recovery to the second fault
+YOUNG_AFTER_STEPS = 0.5  # young-stop: from the first fault's recovery to the second, in --step-time
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,7 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="elastic-run,elastic-run-cold,torchrun",
         help=f"comma-separated, from {', '.join(LAUNCHERS)} (torchrun = tuned c10d conf)",
     )
-    parser.add_argument("--faults", default="kill,stop,crash", help="comma-separated, from kill, stop, crash, cascade")
+    parser.add_argument(
+        "--faults", default="kill,stop,crash", help="comma-separated, from kill, stop, crash, cascade, young-stop"
+    )
     parser.add_argument(
         "--settle",
         type=float,
@@ -599,17 +611,18 @@ def run_scenario(launcher: str, fault: str, args: argparse.Namespace) -> Result:
             logger.info("  round 0 ranks: %s", first_round_ranks(job))
         probe.read_new()
         round_at_fault = max(c["round"] for c in probe.collectives)
-        if fault == "cascade":
+        if fault in ("cascade", "young-stop"):
             first_fault = job.crash_worker(1)
             back, why = wait_for_recovery(probe, job, first_fault, FULL_WORLD, round_at_fault, args.deadline)
             if back is None:
                 return Result(launcher, fault, None, f"the crash before the kill: {why or 'no recovery'}")
             logger.info(
-                "  trains again %.2f s after the crash; SIGKILL of node%d follows",
+                "  trains again %.2f s after the crash; %s of node%d follows",
                 back["time"] - first_fault,
+                FAULTS[fault].name,
                 FAULTED_NODE,
             )
-            time.sleep(CASCADE_AFTER_S)
+            time.sleep(CASCADE_AFTER_S if fault == "cascade" else YOUNG_AFTER_STEPS * args.step_time)
             round_at_fault = back["round"]
         if fault == "crash":
             fault_time = job.crash_worker(FAULTED_NODE)

@@ -204,10 +204,10 @@ class SharedKeepAlive:
 class NoopWorkerGroup:
     """The WorkerGroup interface without processes: RUNNING until the bench ends.
 
-    The agent calls its worker-group factory as (config, round_, member, master, startups, warm): bind `host` first.
+    The agent calls its worker-group factory as (config, round_, member, master, history, warm): bind `host` first.
     """
 
-    def __init__(self, host: HostState, config, round_, member, master, startups=None, warm=None) -> None:
+    def __init__(self, host: HostState, config, round_, member, master, history=None, warm=None) -> None:
         self.round, self.member, self.master = round_, member, master
         self.started_inprocess = self.started_prepared = 0
         host.note("workers", round_.round, time.time())
@@ -229,6 +229,9 @@ class NoopWorkerGroup:
 
     def stall(self) -> None:
         return None  # no workers, never stalled
+
+    def keep_pace(self) -> None:
+        pass  # no workers, no pace
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         pass

@@ -18,13 +18,13 @@ from launcher.rendezvous.records import DrainReport, DrainRequest, MasterRecord,
 from launcher.workers.group import WorkerOutcome
 from launcher.workers.standby import StandbyWorkers
 from launcher.workers.warm_pool import WarmPool
-from launcher.workers.watchdog_rules import Stall, StartupHistory
+from launcher.workers.watchdog_rules import NodeHistory, Stall
 from launcher.workers.zygote import RoundStore
 
 logger = logging.getLogger(__name__)
 
-# builds a round's workers: (config, round, member, master, start-up history, warm pool) -> a WorkerGroup
-WorkerGroupFactory = Callable[[LaunchConfig, RoundHeader, Member, MasterRecord, StartupHistory, WarmPool | None], Any]
+# builds a round's workers: (config, round, member, master, node history, warm pool) -> a WorkerGroup
+WorkerGroupFactory = Callable[[LaunchConfig, RoundHeader, Member, MasterRecord, NodeHistory, WarmPool | None], Any]
 
 
 class RoundWorkers:
@@ -44,7 +44,7 @@ class RoundWorkers:
         self.node_id = node_id
         self.factory = factory
         self.warm = warm
-        self.startups = StartupHistory()  # how long our workers take to their first heartbeat, over rounds
+        self.history = NodeHistory()  # our workers' start-ups and step pace, over rounds
         self.group: Any = None
         # the last round's group, kept between rounds with --inprocess: its workers under elastic.run take the
         # next round in process; the rest are stopped when it is retired
@@ -101,6 +101,8 @@ class RoundWorkers:
 
     def retire(self) -> None:
         """This round's workers are done with it: keep those that can take the next one in process, stop the rest."""
+        if self.group is not None:
+            self.group.keep_pace()
         if not self.config.inprocess:
             self.stop()
             return
@@ -137,7 +139,7 @@ class RoundWorkers:
                 if torch_store is not None:
                     torch_store.close()
                 return  # the round moved on; the next step enters the new one
-        self.group = self.factory(self.config, run.header, member, master, self.startups, self.warm)
+        self.group = self.factory(self.config, run.header, member, master, self.history, self.warm)
         self.group.start(self.retired, self.standby)
         self.retired = None
         self._close_torch_store()  # the last round's: its workers are stopped or took this round

@@ -27,7 +27,7 @@ from launcher.workers.stack_dumps import read_dump
 from launcher.workers.standby import StandbyWorkers
 from launcher.workers.warm_pool import WarmPool, WarmWorker
 from launcher.workers.watchdog import StackDump, Watchdog
-from launcher.workers.watchdog_rules import Policy, Stall, StartupHistory
+from launcher.workers.watchdog_rules import NodeHistory, Policy, Stall
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class WorkerGroup:
         round_: RoundHeader,
         member: Member,
         master: MasterRecord,
-        startups: StartupHistory | None = None,
+        history: NodeHistory | None = None,
         warm: WarmPool | None = None,
     ) -> None:
         self.config = config
@@ -103,7 +103,7 @@ class WorkerGroup:
         self.watchdog = Watchdog(
             Policy.from_config(config),
             [self.attempt_dir / str(r) / HEARTBEAT_FILE for r in range(member.nproc)],
-            startups=startups,
+            history=history,
             spare_reentrant=config.inprocess,
             store=(master.addr, master.port),
         )
@@ -388,6 +388,10 @@ class WorkerGroup:
     def stall(self) -> Stall | None:
         """Every worker silent for several of its step intervals, as of the last poll (watchdog_rules.stall_of)."""
         return self.watchdog.stall
+
+    def keep_pace(self) -> None:
+        """The round ends: its step pace judges the next round's first steps (Watchdog.keep_pace)."""
+        self.watchdog.keep_pace()
 
     def latest_step(self) -> int | None:
         """The newest step this node's workers reported through heartbeat (None: none yet)."""

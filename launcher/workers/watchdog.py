@@ -43,9 +43,9 @@ from launcher.workers.process_tree import (
 from launcher.workers.watchdog_rules import (
     STALL_MIN_S,
     Hang,
+    NodeHistory,
     Policy,
     Stall,
-    StartupHistory,
     WorkerWatch,
     next_threshold,
     stall_of,
@@ -80,7 +80,7 @@ class Watchdog:
         policy: Policy | None,
         paths: list[Path],
         clock: Callable[[], float] = time.monotonic,
-        startups: StartupHistory | None = None,
+        history: NodeHistory | None = None,
         spare_reentrant: bool = False,
         store: tuple[str, int] | None = None,
     ) -> None:
@@ -92,8 +92,8 @@ class Watchdog:
         self.store = store
         self._store_checked_at = -math.inf
         self._store_refuses = False
-        self.startups = startups if startups is not None else StartupHistory()
-        self.policy = self.startups.policy(policy)
+        self.history = history if history is not None else NodeHistory()
+        self.policy = self.history.policy(policy)
         self.clock = clock
         self.started_at = clock()
         self.workers = [_Worker(path) for path in paths]
@@ -152,7 +152,8 @@ class Watchdog:
                 [
                     (w.watch.silent_for(now), w.watch.current(), self._cpu_used(w, p))
                     for w, p in zip(self.workers, processes)
-                ]
+                ],
+                self.history.pace,
             )
 
     def next_look_at(self) -> float | None:
@@ -161,7 +162,7 @@ class Watchdog:
         if self.policy is None:
             return None
         now = self.clock()
-        due = [next_threshold(w.watch, self.policy, now) for w in self.workers if w.hang is None]
+        due = [next_threshold(w.watch, self.policy, now, self.history.pace) for w in self.workers if w.hang is None]
         return min((at for at in due if at is not None), default=None)
 
     def stopped(self, processes: list[WorkerProcess]) -> list[int]:
@@ -201,6 +202,11 @@ class Watchdog:
         path = self.workers[local_rank].path
         channel.create_channel(path)
         self.workers[local_rank] = _Worker(path)
+
+    def keep_pace(self) -> None:
+        """Keep this round's step pace in the node's history (its channels are read only during silences: here,
+        at the round's end, in full), by which the next round's first steps are judged."""
+        self.history.record_pace([channel.read(w.view) if self._open(w) else None for w in self.workers])
 
     def latest_step(self) -> int | None:
         """The newest step any worker passed to heartbeat (None: none yet, or no channel can be read)."""
@@ -242,7 +248,9 @@ class Watchdog:
         if watched_start and now >= worker.paths_checked_at + PATH_CHECK_EVERY_S:
             worker.paths_checked_at = now
             cut_off = self._broken_paths(worker, process, starting=True)
-        hang = worker.watch.verdict(policy, worker.watch.current(), now, time.time(), stopped, bool(cut_off))
+        hang = worker.watch.verdict(
+            policy, worker.watch.current(), now, time.time(), stopped, bool(cut_off), self.history.pace
+        )
         if hang is None:
             return None
         stalled = cut_off if cut_off is not None else self._broken_paths(worker, process, hang.starting)
@@ -284,7 +292,7 @@ class Watchdog:
         snapshot = channel.read(worker.view)
         if snapshot is not None and snapshot.beats:
             worker.started = True
-            self.startups.record(now - self.started_at)
+            self.history.record_startup(now - self.started_at)
 
     def _open(self, worker: _Worker) -> bool:
         if worker.view is None:

@@ -4,7 +4,7 @@ Workers call `elastic.heartbeat(step)` once per step (`elastic.channel`); `launc
 they wrote and asks these rules, passing its own clock's readings:
 - a worker that never sent a heartbeat is never watched, with one exception: once this node's workers have
   heartbeated in an earlier round, a new round's worker that has not heartbeated yet is allowed the start-up
-  allowance (`StartupHistory`): the larger of the normal allowance and `STARTUP_FACTOR` x the longest start-up
+  allowance (`NodeHistory`): the larger of the normal allowance and `STARTUP_FACTOR` x the longest start-up
   (spawn to first heartbeat) seen on this node. A worker stuck in `init_process_group` (a peer it cannot connect
   to) is caught so; a start-up that loads a checkpoint for long belongs inside `long_operation`. A starting
   worker whose process is stopped (SIGSTOP) is not starting, nor is one whose connects are stuck on a broken
@@ -19,10 +19,11 @@ they wrote and asks these rules, passing its own clock's readings:
 - during a `long_operation` the allowance is the larger of the normal one and the operation's own `timeout=`
   (by default `--watchdog-long-op`; `math.inf`: unlimited).
 
-Stalls, a hint for the controller rather than a verdict: when every worker of the node heartbeated at least
-`STALL_MIN_INTERVALS` + 1 times in this round and each has been silent for more than `STALL_FACTOR` x a slow
-recent step interval (the `STALL_QUANTILE` of the window; at least `STALL_MIN_S`), the node is stalled
-(`stall_of`). In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next
+Stalls, a hint for the controller rather than a verdict: when every worker of the node stepped in this round and
+each has been silent for more than `STALL_FACTOR` x a slow recent step interval (the `STALL_QUANTILE` of the
+window; at least `STALL_MIN_S`), the node is stalled (`stall_of`). Until a worker has shown its pace in the round
+(`STALL_MIN_INTERVALS` intervals), its node's pace in the previous round stands in (`NodeHistory.pace`, read from
+the channels when that round ended): a peer stopped two steps into a round is found as soon as one stopped later. In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next
 collective and nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the controller
 probes the members that are not stalled; a stall costs a probe, never a restart. Inside a long operation silence
 alone says little (a checkpoint save works without heartbeats): there a worker counts only if it is also idle, its
@@ -103,14 +104,22 @@ class Policy:
         )
 
 
-class StartupHistory:
-    """How long this node's workers took from spawn to their first heartbeat, over the agent's rounds."""
+class NodeHistory:
+    """What this node's workers showed over the agent's rounds: the longest they took from spawn to their first
+    heartbeat, and their step pace in the latest round that ran enough steps to show one."""
 
     def __init__(self) -> None:
         self.longest: float | None = None
+        self.pace: tuple[float, ...] = ()  # step intervals, as a worker's channel holds them
 
-    def record(self, seconds: float) -> None:
+    def record_startup(self, seconds: float) -> None:
         self.longest = seconds if self.longest is None else max(self.longest, seconds)
+
+    def record_pace(self, snapshots: Sequence[channel.Snapshot | None]) -> None:
+        """Keep the step intervals of the workers that ran enough steps in this round to show their pace."""
+        shown = [s.intervals[-AUTO_WINDOW:] for s in snapshots if s is not None and _shows_pace(s.intervals)]
+        if shown:
+            self.pace = tuple(interval for intervals in shown for interval in intervals)
 
     def policy(self, policy: Policy | None) -> Policy | None:
         """`policy` with its start-up allowance, once a start-up was seen (the script heartbeats)."""
@@ -145,23 +154,39 @@ def stall_allowance(intervals: Sequence[float]) -> float | None:
     """Seconds of silence after which a worker with these recent step intervals counts as stalled; None while
     too few steps were seen to know its pace."""
     recent = sorted(intervals[-AUTO_WINDOW:])
-    if len(recent) < STALL_MIN_INTERVALS:
+    if not _shows_pace(recent):
         return None
     slow = recent[math.ceil(STALL_QUANTILE * len(recent)) - 1]  # nearest rank
     return max(STALL_MIN_S, STALL_FACTOR * slow)
 
 
-def stall_of(workers: Sequence[tuple[float, channel.Snapshot | None, float | None]]) -> Stall | None:
+def _shows_pace(intervals: Sequence[float]) -> bool:
+    return len(intervals) >= STALL_MIN_INTERVALS
+
+
+def pace_of(snapshot: channel.Snapshot, prior: Sequence[float]) -> Sequence[float]:
+    """The step intervals to judge a worker's silence by: its own; in a round's first steps (it stepped in this
+    round, too few times to show its pace), ``prior``, the node's pace in its last round. A node stopped (SIGSTOP)
+    two steps after a round began was otherwise found only by its lease's expiry: 3.3 s, against 0.1 s later on."""
+    if snapshot.last_step is not None and not _shows_pace(snapshot.intervals):
+        return prior
+    return snapshot.intervals
+
+
+def stall_of(
+    workers: Sequence[tuple[float, channel.Snapshot | None, float | None]], prior: Sequence[float] = ()
+) -> Stall | None:
     """A Stall when every one of a node's workers, given as (seconds silent, its channel as last read, None if
     unread since its last sign of life, and the CPU seconds its process used since then, None if not measured),
-    is silent past its stall allowance, and idle as well if it is inside a long operation."""
+    is silent past its stall allowance (``pace_of``, with the node's ``prior`` pace), and idle as well if it is
+    inside a long operation."""
     if not workers:
         return None
     long_op = None
     for silent, snapshot, cpu_used in workers:
         if snapshot is None:
             return None
-        allowed = stall_allowance(snapshot.intervals)
+        allowed = stall_allowance(pace_of(snapshot, prior))
         if allowed is None or silent <= allowed:
             return None
         if snapshot.long_op is not None:
@@ -176,7 +201,7 @@ def stall_of(workers: Sequence[tuple[float, channel.Snapshot | None, float | Non
     )
 
 
-def next_threshold(watch: WorkerWatch, policy: Policy, now: float) -> float | None:
+def next_threshold(watch: WorkerWatch, policy: Policy, now: float, prior: Sequence[float] = ()) -> float | None:
     """The next moment after `now` (the agent's monotonic clock) at which the worker's silence passes a threshold
     these rules judge by (None: none ahead, or no sign of life seen yet): where its channel is first read, its
     stall allowance, its allowance. Looking then, not at the next poll, finds a stall or a hang without a
@@ -186,7 +211,7 @@ def next_threshold(watch: WorkerWatch, policy: Policy, now: float) -> float | No
     thresholds = [min(policy.floor, STALL_MIN_S)]
     snapshot = watch.current()
     if snapshot is not None:
-        stalled_after = stall_allowance(snapshot.intervals)
+        stalled_after = stall_allowance(pace_of(snapshot, prior))
         if stalled_after is not None:
             thresholds.append(stalled_after)
         thresholds.append(allowance(policy, snapshot.intervals, snapshot.long_op))
@@ -285,12 +310,13 @@ class WorkerWatch:
         wall: float,
         stopped: bool = False,
         cut_off: bool = False,
+        prior: Sequence[float] = (),
     ) -> Hang | None:
         """A Hang when the worker heartbeated before and has been silent longer than its allowance; `now` is the
         agent's monotonic clock, `wall` the unix time of the same moment, `stopped` whether its process is
         stopped by a signal, `cut_off` whether its connects are stuck on a broken path (a starting worker then
         gets the normal allowance: it starts nothing, or cannot finish; one that heartbeated and is stopped, its
-        stall allowance, if that is shorter)."""
+        stall allowance (``pace_of``, with the node's ``prior`` pace), if that is shorter)."""
         if snapshot is None:
             return None
         self.observe(snapshot.seq, now)
@@ -304,7 +330,7 @@ class WorkerWatch:
             allowed = allowance(policy, snapshot.intervals, snapshot.long_op)
         halted = False
         if stopped and not starting:
-            stalled_after = stall_allowance(snapshot.intervals)
+            stalled_after = stall_allowance(pace_of(snapshot, prior))
             if stalled_after is not None and stalled_after < allowed:
                 allowed, halted = stalled_after, True
         silent = self.silent_for(now)
