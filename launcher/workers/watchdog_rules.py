@@ -23,8 +23,9 @@ Stalls, a hint for the controller rather than a verdict: when every worker of th
 each has been silent for more than `STALL_FACTOR` x a slow recent step interval (the `STALL_QUANTILE` of the
 window; at least `STALL_MIN_S`), the node is stalled (`stall_of`). Until a worker has shown its pace in the round
 (`STALL_MIN_INTERVALS` intervals), its node's pace in the previous round stands in (`NodeHistory.pace`, read from
-the channels when that round ended): a peer stopped two steps into a round is found as soon as one stopped later. In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next
-collective and nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the controller
+the channels when that round ended): a peer stopped two steps into a round is found as soon as one stopped later.
+In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next collective and
+nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the controller
 probes the members that are not stalled; a stall costs a probe, never a restart. Inside a long operation silence
 alone says little (a checkpoint save works without heartbeats): there a worker counts only if it is also idle, its
 process having used under `IDLE_CPU_SHARE` of a core since its last sign of life, as one blocked in a collective
