@@ -60,7 +60,8 @@ def test_workers_are_fenced_when_etcd_is_gone_for_most_of_the_lease_and_the_job_
         cluster.wait_for(lambda: not any(is_running(p) for p in workers), 10, "the workers to be fenced")
     finally:
         etcd.process.send_signal(signal.SIGCONT)
-    assert "before the job moves on without them" in agent.text()
+    # said once the kill returned, which waits for the workers' supervisors too: a moment after they are gone
+    cluster.wait_for(lambda: "before the job moves on without them" in agent.text(), 5, "the fence's warning")
     cluster.wait_for(lambda: len(cluster.events("round_started")) >= 2, 30, "the node to rejoin in a new round")
     cluster.stop_training()
     assert agent.wait(timeout=90) == 0, cluster.dump()
