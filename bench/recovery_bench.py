@@ -10,7 +10,7 @@ with the probe under elastic.run (survivors re-enter in process), torchrun with 
   3. hit the LAST node (never the first, which hosts torchrun's c10d store): SIGKILL or SIGSTOP its agent and
      its workers, or SIGKILL one of its workers; or (cascade) SIGKILL one worker of node1 and, 3 s after the job
      trains again, SIGKILL the last node: a second fault while the first's round is young; or (young-stop) the
-     same crash, then SIGSTOP of the last node 2.5 steps after the job trains again, before its peers' workers
+     same crash, then SIGSTOP of the last node half a step after the job trains again, before its peers' workers
      have stepped enough in the new round to show their pace;
   4. time the first probe collective of the next world completed after the fault (4 workers after a lost
      node, 6 in a later round after a crash), capped at --deadline.
@@ -79,7 +79,7 @@ FAULT_NAMES = {
     "stop": "node SIGSTOP",
     "crash": "one worker SIGKILL",
     "cascade": "node SIGKILL 3 s after a crash's recovery",
-    "young-stop": "node SIGSTOP 2.5 steps after a crash's recovery",
+    "young-stop": "node SIGSTOP half a step after a crash's recovery",
 }
 CASCADE_AFTER_S = 3.0  # from the first fault's recovery to the second fault
 YOUNG_AFTER_STEPS = 0.5  # young-stop: from the first fault's recovery to the second, in --step-time

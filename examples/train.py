@@ -357,9 +357,7 @@ def main(config: TrainConfig, placement: Placement, dataset: CharWindows) -> Non
     batches = iter(
         DataLoader(dataset, batch_sampler=sampler, num_workers=config.num_workers, pin_memory=device.type == "cuda")
     )
-    last = start  # the step the model is at
     for step in range(start + 1, config.steps + 1):
-        last = step
         started = time.perf_counter()
         seed_all(derive_seed(seed, step))  # global RNG state is a function of the step, never checkpointed
         lr = schedule.current_lrs()[0]
@@ -404,7 +402,7 @@ def main(config: TrainConfig, placement: Placement, dataset: CharWindows) -> Non
             logger.info("checkpoint of step %d committed; stopping (--stop-at)", step)
             return
         heartbeat(step)  # progress, for elastic-run's watchdog: a hung rank is found, its stacks dumped
-    finish(manager, last, state)
+    finish(manager, max(start, config.steps), state)  # the step the model is at
 
 
 def finish(manager: CheckpointManager | None, step: int, state: dict[str, Any]) -> None:

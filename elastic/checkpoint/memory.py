@@ -256,7 +256,6 @@ class MemorySnapshots:
         self._copy_broke_off = False  # the failed copy left before its sends and receives all ended
         self._copied: int | None = None  # the newest own step whose part reached the next node
         self._room = (True, True)  # whether the last copy had room here, and on the next node
-        self._no_room_here = ""  # why not, when it had none here
         self._plan: SnapshotPlan | None = None  # the last snapshot's plan, for the next one if it fits every rank
 
     @property
@@ -572,7 +571,8 @@ class MemorySnapshots:
             header = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
             theirs = json.loads(self._exchange(header).numpy().tobytes())
             peer = self._peer(record.metadata_sha256)
-            receiving = self._room_for(peer, theirs, record.step)
+            prepared = self._room_for(peer, theirs, record.step)
+            receiving, no_room_here = (None, prepared) if isinstance(prepared, str) else (prepared, None)
             room = torch.tensor([receiving is not None], dtype=torch.uint8)
             next_room = torch.zeros(1, dtype=torch.uint8)
             self._send_receive(room, next_room, backwards=True)
@@ -594,7 +594,7 @@ class MemorySnapshots:
             ]
             _complete(operations)
             exchanged = True
-            self._report_room(receiving is not None, bool(next_room.item()), record.step, mine)
+            self._report_room(no_room_here, bool(next_room.item()), record.step, mine)
             if receiving is not None:
                 for name, _ in theirs:
                     _partial(peer / name).replace(peer / name)
@@ -610,19 +610,20 @@ class MemorySnapshots:
             self._copy_error = error
             self._copy_broke_off = not exchanged
 
-    def _room_for(self, peer: Path, files: list[tuple[str, int]], step: int) -> list[torch.Tensor] | None:
-        """The previous node's ``files`` mapped in ``peer`` with their pages allotted, or None (and nothing left
-        behind) where this node's memory has no room for them."""
+    def _room_for(self, peer: Path, files: list[tuple[str, int]], step: int) -> list[torch.Tensor] | str:
+        """The previous node's ``files`` mapped in ``peer`` with their pages allotted; or, where this node's memory
+        has no room for them, why not (and nothing left behind)."""
         try:
             peer.mkdir(parents=True, exist_ok=True)
             return [_file_to_fill(peer / name, size) for name, size in files]
         except OSError as error:
             shutil.rmtree(peer, ignore_errors=True)
-            self._no_room_here = f"{error.strerror or error} ({sum(size for _, size in files)} bytes of step {step})"
-            return None
+            return f"{error.strerror or error} ({sum(size for _, size in files)} bytes of step {step})"
 
-    def _report_room(self, here: bool, on_next: bool, step: int, mine: list[tuple[str, int]]) -> None:
-        """Say when copies stop fitting, on either side, and when they fit again; not at every snapshot."""
+    def _report_room(self, no_room_here: str | None, on_next: bool, step: int, mine: list[tuple[str, int]]) -> None:
+        """Say when copies stop fitting, on either side (``no_room_here``: why not here), and when they fit again;
+        not at every snapshot."""
+        here = no_room_here is None
         if (here, on_next) == self._room:
             return
         self._room = (here, on_next)
@@ -632,7 +633,7 @@ class MemorySnapshots:
                 "that node loads an older snapshot or the disk checkpoint; give the node more shared memory "
                 "(docker run --shm-size, or a larger /dev/shm)",
                 self.root,
-                self._no_room_here,
+                no_room_here,
             )
         if not on_next:
             logger.warning(

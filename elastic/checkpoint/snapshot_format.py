@@ -84,12 +84,15 @@ class MappedFiles:
     def of_size(self, path: Path, size: int) -> torch.Tensor:
         """The bytes of ``path``, created or resized to ``size``, as a tensor: what is written to it is in the file.
         A full filesystem raises ENOSPC here, before anything is written (``filled_in_place``)."""
-        mapped = None
+        key = None
         with contextlib.suppress(FileNotFoundError):
-            mapped = self._mapped.pop(_identity(path), None)
+            key = _identity(path)
+        mapped = self._mapped.pop(key, None) if key is not None else None
         if mapped is None or mapped.numel() != size:
             mapped = filled_in_place(path, size)
-        self._mapped[_identity(path)] = mapped
+            key = _identity(path)  # a new file, or resized in place
+        assert key is not None
+        self._mapped[key] = mapped
         while len(self._mapped) > self._keep:  # the files of older snapshots: gone, or to be written anew
             self._mapped.popitem(last=False)
         return mapped
