@@ -11,7 +11,8 @@ with the probe under elastic.run (survivors re-enter in process), torchrun with 
      its workers, or SIGKILL one of its workers; or (cascade) SIGKILL one worker of node1 and, 3 s after the job
      trains again, SIGKILL the last node: a second fault while the first's round is young; or (young-stop) the
      same crash, then SIGSTOP of the last node half a step after the job trains again, before its peers' workers
-     have stepped enough in the new round to show their pace;
+     have stepped enough in the new round to show their pace; or (start-stop) the same crash, then SIGSTOP of
+     the last node as its agent sets up the crash's new round, before any worker heartbeats in it;
   4. time the first probe collective of the next world completed after the fault (4 workers after a lost
      node, 6 in a later round after a crash), capped at --deadline.
 
@@ -73,6 +74,7 @@ FAULTS = {
     "crash": signal.SIGKILL,
     "cascade": signal.SIGKILL,
     "young-stop": signal.SIGSTOP,
+    "start-stop": signal.SIGSTOP,
 }
 FAULT_NAMES = {
     "kill": "node SIGKILL",
@@ -80,6 +82,7 @@ FAULT_NAMES = {
     "crash": "one worker SIGKILL",
     "cascade": "node SIGKILL 3 s after a crash's recovery",
     "young-stop": "node SIGSTOP half a step after a crash's recovery",
+    "start-stop": "node SIGSTOP as a crash's new round starts",
 }
 CASCADE_AFTER_S = 3.0  # from the first fault's recovery to the second fault
 YOUNG_AFTER_STEPS = 0.5  # young-stop: from the first fault's recovery to the second, in --step-time
@@ -96,9 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="elastic-run,elastic-run-cold,torchrun",
         help=f"comma-separated, from {', '.join(LAUNCHERS)} (torchrun = tuned c10d conf)",
     )
-    parser.add_argument(
-        "--faults", default="kill,stop,crash", help="comma-separated, from kill, stop, crash, cascade, young-stop"
-    )
+    parser.add_argument("--faults", default="kill,stop,crash", help=f"comma-separated, from {', '.join(FAULTS)}")
     parser.add_argument(
         "--settle",
         type=float,
@@ -456,6 +457,22 @@ def wait_for_recovery(
     return None, ""
 
 
+def wait_for_round_setup(job: Job, node: int, after_round: int, timeout: float) -> bool:
+    """Wait until agent `node` sets up a round after `after_round`: its WorkerGroup creates the round's attempt
+    directory (the workers' channels) before it hands the round to any worker."""
+    deadline = time.monotonic() + timeout
+    pattern = re.compile(r"attempt_(\d+)$")
+    while time.monotonic() < deadline:
+        try:
+            names = os.listdir(job.log_dir(node) / f"node{node}")
+        except OSError:
+            names = []
+        if any((m := pattern.match(name)) and int(m.group(1)) > after_round for name in names):
+            return True
+        time.sleep(0.002)
+    return False
+
+
 # -- what happened: notes and elastic-run's split ----------------------------------------------------------
 
 
@@ -611,6 +628,10 @@ def run_scenario(launcher: str, fault: str, args: argparse.Namespace) -> Result:
             logger.info("  round 0 ranks: %s", first_round_ranks(job))
         probe.read_new()
         round_at_fault = max(c["round"] for c in probe.collectives)
+        if fault == "start-stop":
+            job.crash_worker(1)
+            if not wait_for_round_setup(job, FAULTED_NODE, round_at_fault, args.deadline):
+                return Result(launcher, fault, None, f"node{FAULTED_NODE} set up no round after the crash")
         if fault in ("cascade", "young-stop"):
             first_fault = job.crash_worker(1)
             back, why = wait_for_recovery(probe, job, first_fault, FULL_WORLD, round_at_fault, args.deadline)

@@ -26,6 +26,7 @@ import mmap
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,9 @@ class _Worker:
     spared: bool = False  # found hung, left alive: it runs under elastic.run and takes the next round in process
     # (seq, the pid read, its CPU seconds) when that seq was first seen: what a silence inside a long operation used
     cpu_mark: tuple[int, int, float | None] | None = None
+    # before its first heartbeat, (when, the pid read, its CPU seconds) at each poll of about the last STALL_MIN_S:
+    # whether its start-up works or waits now
+    cpu_trail: deque[tuple[float, int, float]] = field(default_factory=deque)
 
 
 class Watchdog:
@@ -150,7 +154,7 @@ class Watchdog:
         if running and not any(worker.hang for worker in self.workers):
             self.stall = stall_of(
                 [
-                    (w.watch.silent_for(now), w.watch.current(), self._cpu_used(w, p))
+                    (w.watch.silent_for(now), w.watch.current(), self._cpu_share(w, p, now))
                     for w, p in zip(self.workers, processes)
                 ],
                 self.history.pace,
@@ -228,6 +232,8 @@ class Watchdog:
         if worker.watch.seq is not None and (worker.cpu_mark is None or worker.cpu_mark[0] != worker.watch.seq):
             owner = self._owner(worker, process)
             worker.cpu_mark = (worker.watch.seq, owner, cpu_seconds(owner))
+        if not worker.started:
+            self._follow_cpu(worker, process, now)
         silent = worker.watch.silent_for(now)
         if silent > min(policy.floor, STALL_MIN_S) and worker.watch.current() is None:
             worker.watch.snapshot = channel.read(worker.view)  # once per silence: nothing changed since
@@ -256,18 +262,39 @@ class Watchdog:
         stalled = cut_off if cut_off is not None else self._broken_paths(worker, process, hang.starting)
         return dataclasses.replace(hang, stalled_peers=tuple(stalled))
 
-    def _cpu_used(self, worker: _Worker, process: WorkerProcess) -> float | None:
-        """The CPU seconds the worker's process used since its last sign of life, looked at only inside a long
-        operation, where silence alone does not tell a save at work from a wait on a stopped peer (None: not
-        there, or not known)."""
+    def _cpu_share(self, worker: _Worker, process: WorkerProcess, now: float) -> float | None:
+        """The share of a core the worker's process used, looked at only where silence alone does not tell work
+        from a wait on a stopped peer: inside a long operation (a save), since its last sign of life; before its
+        first heartbeat in the round (a start-up), over the last `STALL_MIN_S` (None: neither, or not known)."""
         snapshot = worker.watch.current()
-        if snapshot is None or snapshot.long_op is None or worker.cpu_mark is None:
+        if snapshot is None:
+            return None
+        if snapshot.long_op is None:
+            trail = worker.cpu_trail
+            if snapshot.beats or not trail or trail[0][0] > now - STALL_MIN_S or trail[-1][0] <= trail[0][0]:
+                return None
+            return (trail[-1][2] - trail[0][2]) / (trail[-1][0] - trail[0][0])
+        if worker.cpu_mark is None:
             return None
         seq, owner, then = worker.cpu_mark
-        if seq != worker.watch.seq or owner != self._owner(worker, process) or then is None:
+        silent = worker.watch.silent_for(now)
+        if seq != worker.watch.seq or owner != self._owner(worker, process) or then is None or silent <= 0:
             return None
-        now = cpu_seconds(owner)
-        return None if now is None else now - then
+        used = cpu_seconds(owner)
+        return None if used is None else (used - then) / silent
+
+    def _follow_cpu(self, worker: _Worker, process: WorkerProcess, now: float) -> None:
+        """Sample a starting worker's CPU seconds, keeping the samples of the last `STALL_MIN_S` and the one
+        before them (a new owner, a worker that opened its channel under a supervisor, starts the trail anew)."""
+        owner = self._owner(worker, process)
+        used = cpu_seconds(owner)
+        trail = worker.cpu_trail
+        if used is None or (trail and trail[-1][1] != owner):
+            trail.clear()
+        if used is not None:
+            trail.append((now, owner, used))
+        while len(trail) > 1 and trail[1][0] <= now - STALL_MIN_S:
+            trail.popleft()
 
     def _broken_paths(self, worker: _Worker, process: WorkerProcess, starting: bool) -> list[str]:
         """The peers the worker's broken paths lead to (failure_evidence): its stalled connections; for a starting

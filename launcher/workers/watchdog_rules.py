@@ -24,6 +24,11 @@ each has been silent for more than `STALL_FACTOR` x a slow recent step interval 
 window; at least `STALL_MIN_S`), the node is stalled (`stall_of`). Until a worker has shown its pace in the round
 (`STALL_MIN_INTERVALS` intervals), its node's pace in the previous round stands in (`NodeHistory.pace`, read from
 the channels when that round ended): a peer stopped two steps into a round is found as soon as one stopped later.
+Before its first heartbeat in a round a worker is starting (re-entering, building, loading): it counts once it has
+been silent past `STALL_MIN_S` and idle over the last `STALL_MIN_S` (under `IDLE_CPU_SHARE` of a core), waiting
+on its peers instead of starting. A peer stopped as the round began holds every survivor there: before, only its
+lease's end found it (2.4-3.1 s). A start-up that waits on a slow peer (a joiner's start) costs a probe that every
+member answers.
 In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next collective and
 nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the controller
 probes the members that are not stalled; a stall costs a probe, never a restart. Inside a long operation silence
@@ -58,7 +63,7 @@ STALL_FACTOR = 2.0
 STALL_QUANTILE = 0.9
 STALL_MIN_S = 0.5
 STALL_MIN_INTERVALS = 2
-IDLE_CPU_SHARE = 0.1  # of one core, over a silence inside a long operation: waiting, not saving
+IDLE_CPU_SHARE = 0.1  # of one core, over a silence inside a long operation or a start-up's last STALL_MIN_S: waiting
 
 
 def parse_timeout(spec: str | float) -> float | Literal["auto", "off"]:
@@ -178,20 +183,25 @@ def stall_of(
     workers: Sequence[tuple[float, channel.Snapshot | None, float | None]], prior: Sequence[float] = ()
 ) -> Stall | None:
     """A Stall when every one of a node's workers, given as (seconds silent, its channel as last read, None if
-    unread since its last sign of life, and the CPU seconds its process used since then, None if not measured),
-    is silent past its stall allowance (``pace_of``, with the node's ``prior`` pace), and idle as well if it is
-    inside a long operation."""
+    unread since its last sign of life, and the share of a core its process used, None if not measured: inside a
+    long operation since its last sign of life, while it starts over the last `STALL_MIN_S`), is silent past its
+    stall allowance (``pace_of``, with the node's ``prior`` pace; `STALL_MIN_S` for a start-up that waits), and
+    idle as well if it is inside a long operation."""
     if not workers:
         return None
     long_op = None
-    for silent, snapshot, cpu_used in workers:
+    for silent, snapshot, cpu_share in workers:
         if snapshot is None:
             return None
-        allowed = stall_allowance(pace_of(snapshot, prior))
+        idle = cpu_share is not None and cpu_share < IDLE_CPU_SHARE
+        if snapshot.beats == 0 and snapshot.long_op is None:
+            allowed = STALL_MIN_S if idle else None
+        else:
+            allowed = stall_allowance(pace_of(snapshot, prior))
         if allowed is None or silent <= allowed:
             return None
         if snapshot.long_op is not None:
-            if cpu_used is None or cpu_used >= IDLE_CPU_SHARE * silent:
+            if not idle:
                 return None
             long_op = snapshot.long_op.name
     steps = [

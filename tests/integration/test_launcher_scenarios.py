@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from launcher_harness import FAST_RDZV, PROBE_MISSED, REPO, Cluster, elastic_run
 
 from launcher.etcd.server import free_port
 from launcher.workers.process_tree import child_pids as children
-from launcher.workers.process_tree import is_running
+from launcher.workers.process_tree import descendant_pids, is_running
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +151,12 @@ def test_sigkill_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
     assert log[-1]["event"] == "job_finished"
 
 
+# a lease of 10 s: a node found lost sooner was found by a probe
+LONG_LEASE = FAST_RDZV.replace("keep_alive_interval=0.5", "keep_alive_interval=2").replace(
+    "keep_alive_max_attempt=3", "keep_alive_max_attempt=5"
+)
+
+
 @pytest.mark.parametrize(
     "victim_role, long_operation",
     [("member", None), ("controller", None), ("member", "checkpoint save")],
@@ -162,10 +169,7 @@ def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
     it, and depose it when it does not answer. Workers blocked inside a long operation (as a checkpoint save's
     collectives are) are silent there by right, but idle: that is a stall too."""
     probe = cluster.probe(60, 0.1, *(["--long-operation", long_operation] if long_operation else []))
-    long_lease = FAST_RDZV.replace("keep_alive_interval=0.5", "keep_alive_interval=2").replace(
-        "keep_alive_max_attempt=3", "keep_alive_max_attempt=5"
-    )
-    agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=long_lease) for n in ("a", "b", "c")}
+    agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=LONG_LEASE) for n in ("a", "b", "c")}
     cluster.wait_for_world(6, timeout=90)
     cluster.wait_for(  # a stall is judged against the workers' own pace: they need a few steps to show it
         lambda: len({c["rank"] for c in cluster.collectives() if c["world_size"] == 6 and c["step"] >= 4}) == 6,
@@ -207,6 +211,56 @@ def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
     assert cluster.events("round_started")[-1]["world_size"] == 4
     assert not cluster.events("restart"), "a stall costs no restart"
     assert cluster.events("job_finished")
+
+
+@pytest.mark.parametrize("inprocess", [False, True], ids=["restarted", "in-process"])
+def test_a_node_stopped_as_a_new_round_starts_is_found_by_its_peers_stall(cluster, inprocess):
+    """A worker crashes, and as the new round starts (the victim's agent has set up the round's channels) a node is
+    SIGSTOPped. The survivors' workers wait for its workers in the round's set-up, before any heartbeat in the
+    round, where no step pace judges them: only the lease's end found it (2.4-3.1 s with a 3 s lease, 10 s here).
+    A start-up that has waited idle for half a second is a stall: their agents report it, and the controller's
+    probe finds the stopped node."""
+    probe = cluster.probe(60, 0.1, *(["--inprocess"] if inprocess else []))
+    restarts = ["--max-restarts", "1"]  # the crash's
+    agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=LONG_LEASE, extra=restarts) for n in ("a", "b", "c")}
+    full = cluster.wait_for_world(6, timeout=90)
+    controller = cluster.controller()
+    victim_id = next(n for n in reversed(agents) if n != controller)
+    crashed = next(n for n in agents if n != victim_id)
+    victim = agents.pop(victim_id)
+    rounds = victim.log_dir / victim_id
+    stopped: list[int] = []
+    try:
+        os.kill(children(agents[crashed].pid)[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        # looked for every 2 ms: in process, its workers take the round about 0.1 s after its set-up
+        while not any(int(d.name.split("_")[1]) > full["round"] for d in rounds.glob("attempt_*")):
+            assert time.monotonic() < deadline, f"{victim_id} set up no round after the crash\n{cluster.dump()}"
+            time.sleep(0.002)
+        stopped_at = time.time()
+        stopped = [victim.pid, *descendant_pids(victim.pid)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        again = cluster.wait_for_world(4, timeout=60, after=stopped_at)
+        cluster.stop_training()
+        for agent in agents.values():
+            assert agent.wait(timeout=90) == 0, cluster.dump()
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    lost = cluster.events("node_lost")
+    stalls = [e for e in cluster.events("workers_stalled") if e["time"] > stopped_at]
+    print(
+        f"\nSIGSTOP as a round starts: first workers_stalled {stalls[0]['time'] - stopped_at:.2f}s after the stop "
+        f"(last step {stalls[0].get('last_step')}), "
+        f"node_lost {lost[0]['time'] - stopped_at:.2f}s ({lost[0]['reason']}), first collective at world 4 "
+        f"{again['time'] - stopped_at:.2f}s"
+    )
+    assert [e["node"] for e in lost] == [victim_id] and PROBE_MISSED.fullmatch(lost[0]["reason"]), lost
+    assert {e["node"] for e in stalls} <= set(agents) and stalls[0]["time"] < lost[0]["time"]
+    assert lost[0]["time"] - stopped_at < 6, "found by the stall's probe, not when its 10 s lease ended"
 
 
 def test_node_added_mid_run_joins_a_six_worker_round(cluster):

@@ -145,11 +145,24 @@ SAVING = channel.LongOp("checkpoint save", None)
         ([(0.7, snapshot(9, 5, [0.1, 0.4], step=4), None)], False),  # a slow step in the window: 0.8 s allowed
         ([(0.7, snapshot(9, 2, [0.1], step=1), None)], False),  # too few steps to know the pace
         # inside a long operation: a save at work (0.9 CPU-s in 5 s), or how much it worked not known
-        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.9)], False),
+        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.18)], False),
         ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), None)], False),
         # ... or idle there, as a wait on a stopped peer is (0.3 CPU-s in 5 s: under a tenth of a core)
-        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.3)], True),
-        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.3), (0.7, snapshot(9, 5, [0.1] * 4), None)], True),
+        ([(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.06)], True),
+        (
+            [(5.0, snapshot(9, 5, [0.1] * 4, step=4, long_op=SAVING), 0.06), (0.7, snapshot(9, 5, [0.1] * 4), None)],
+            True,
+        ),
+        # starting (no heartbeat yet in this round): stalled once it waits, idle over the last STALL_MIN_S ...
+        ([(0.6, snapshot(9, 0, []), 0.02), (0.6, snapshot(9, 0, []), 0.0)], True),
+        ([(0.4, snapshot(9, 0, []), 0.02)], False),  # not silent past STALL_MIN_S yet
+        # ... not while it works (imports, builds, loads), nor before its CPU was followed that long
+        ([(3.0, snapshot(9, 0, []), 0.8)], False),
+        ([(3.0, snapshot(9, 0, []), None)], False),
+        ([(0.6, snapshot(9, 0, []), 0.02), (0.6, snapshot(9, 0, []), 0.5)], False),
+        # a start-up inside a long operation (a load it declared) is held to the long operation's rule: never
+        # stalled before it showed a pace
+        ([(3.0, snapshot(9, 0, [], long_op=SAVING), 0.0)], False),
     ],
 )
 @pytest.mark.timeout(10)
@@ -168,7 +181,7 @@ PACE = (0.1, 0.1, 0.12, 0.1)  # the node's step intervals in its last round
         ([(0.4, snapshot(9, 2, [0.1], step=2), None)], PACE, False),
         ([(0.7, snapshot(9, 2, [0.1], step=2), None)], (), False),  # no round showed a pace yet
         ([(0.7, snapshot(9, 1, [], step=1), None)], PACE, True),  # one step into it
-        # not a step yet in this round (its start-up: loading, re-entering): the start-up rules judge it
+        # not a step yet in this round (its start-up: loading, re-entering): judged by whether it waits (below)
         ([(0.7, snapshot(9, 0, []), None)], PACE, False),
         # its own pace, once it shows one: a slower world (0.4 s steps) allows 0.8 s
         ([(0.7, snapshot(9, 3, [0.4, 0.4], step=3), None)], PACE, False),
@@ -236,6 +249,39 @@ def test_a_rounds_pace_finds_the_next_rounds_workers_stalled_two_steps_in(tmp_pa
         finally:
             for writer in writers:
                 writer.close()
+
+
+@pytest.mark.timeout(10)
+def test_starting_workers_are_stalled_once_they_wait_not_while_they_work(tmp_path):
+    """Before their first heartbeat in a round no pace judges them: survivors that wait on a peer stopped as the
+    round began were left to its lease. Their CPU over the last STALL_MIN_S tells a start-up at work (imports, a
+    model built, a load) from one that waits (this process stands for the workers: it works, then waits)."""
+    clock = FakeClock()
+    paths = [tmp_path / str(rank) / "heartbeat" for rank in range(2)]
+    watchdog = Watchdog(AUTO, paths, clock=clock)
+    writers = [channel.open_channel(str(path), clock=clock, install_hooks=False) for path in paths]
+    running = [RunningProcess(), RunningProcess()]
+    try:
+        watchdog.check(running)
+        for _ in range(3):  # 0.9 s at work: 0.2 CPU-s every 0.3 s
+            clock.now += 0.3
+            busy_until = time.process_time() + 0.2
+            while time.process_time() < busy_until:
+                pass
+            watchdog.check(running)
+        assert watchdog.stall is None, "silent for 0.9 s, but at work"
+        clock.now += 0.3
+        watchdog.check(running)
+        assert watchdog.stall is None, "idle for 0.3 s of the last 0.5 s only"
+        clock.now += 0.3
+        watchdog.check(running)
+        assert watchdog.stall == Stall(seconds_silent=pytest.approx(1.5), last_step=None), "idle for 0.6 s"
+        writers[0].beat(0)
+        watchdog.check(running)
+        assert watchdog.stall is None, "one worker started stepping"
+    finally:
+        for writer in writers:
+            writer.close()
 
 
 @pytest.mark.timeout(10)
