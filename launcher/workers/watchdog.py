@@ -232,7 +232,7 @@ class Watchdog:
         if worker.watch.seq is not None and (worker.cpu_mark is None or worker.cpu_mark[0] != worker.watch.seq):
             owner = self._owner(worker, process)
             worker.cpu_mark = (worker.watch.seq, owner, cpu_seconds(owner))
-        if not worker.started:
+        if not worker.started and policy.startup is not None:  # a start-up is watched (the script heartbeats)
             self._follow_cpu(worker, process, now)
         silent = worker.watch.silent_for(now)
         if silent > min(policy.floor, STALL_MIN_S) and worker.watch.current() is None:

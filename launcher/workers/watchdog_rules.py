@@ -24,9 +24,10 @@ each has been silent for more than `STALL_FACTOR` x a slow recent step interval 
 window; at least `STALL_MIN_S`), the node is stalled (`stall_of`). Until a worker has shown its pace in the round
 (`STALL_MIN_INTERVALS` intervals), its node's pace in the previous round stands in (`NodeHistory.pace`, read from
 the channels when that round ended): a peer stopped two steps into a round is found as soon as one stopped later.
-Before its first heartbeat in a round a worker is starting (re-entering, building, loading): it counts once it has
-been silent past `STALL_MIN_S` and idle over the last `STALL_MIN_S` (under `IDLE_CPU_SHARE` of a core), waiting
-on its peers instead of starting. A peer stopped as the round began holds every survivor there: before, only its
+Before its first heartbeat in a round a worker is starting (re-entering, building, loading): once its node's workers
+heartbeated in an earlier round (as for the start-up allowance), it counts once it has been silent past
+`STALL_MIN_S` and idle over the last `STALL_MIN_S` (under `IDLE_CPU_SHARE` of a core), waiting on its peers instead
+of starting. A peer stopped as the round began holds every survivor there: before, only its
 lease's end found it (2.4-3.1 s). A start-up that waits on a slow peer (a joiner's start) costs a probe that every
 member answers.
 In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next collective and

@@ -258,7 +258,9 @@ def test_starting_workers_are_stalled_once_they_wait_not_while_they_work(tmp_pat
     model built, a load) from one that waits (this process stands for the workers: it works, then waits)."""
     clock = FakeClock()
     paths = [tmp_path / str(rank) / "heartbeat" for rank in range(2)]
-    watchdog = Watchdog(AUTO, paths, clock=clock)
+    history = NodeHistory()
+    history.record_startup(0.4)  # its workers heartbeated in an earlier round
+    watchdog = Watchdog(AUTO, paths, clock=clock, history=history)
     writers = [channel.open_channel(str(path), clock=clock, install_hooks=False) for path in paths]
     running = [RunningProcess(), RunningProcess()]
     try:
@@ -282,6 +284,18 @@ def test_starting_workers_are_stalled_once_they_wait_not_while_they_work(tmp_pat
     finally:
         for writer in writers:
             writer.close()
+
+    # a node whose workers never heartbeated (round 0, or a script that does not call heartbeat) is not judged so:
+    # its waits in the job's start, or in its own data loading, are no stall
+    first_round = Watchdog(AUTO, [tmp_path / "first" / "heartbeat"], clock=clock)
+    writer = channel.open_channel(str(tmp_path / "first" / "heartbeat"), clock=clock, install_hooks=False)
+    try:
+        for _ in range(4):
+            first_round.check(running[:1])
+            clock.now += 0.5
+        assert first_round.stall is None
+    finally:
+        writer.close()
 
 
 @pytest.mark.timeout(10)
