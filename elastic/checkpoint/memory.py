@@ -19,9 +19,10 @@ the write results, from which each leader completes the metadata).
 After a save, the leader of each node (its lowest rank) sends its node's data files to the leader of the next node
 (nodes in rank order, the last to the first) in the background, over a gloo group of their own; the next save waits
 for that copy, unless a peer of the copy closed its connection: gloo may then wait forever, so the save aborts the
-groups and fails as its peers' collectives do. A copy that failed before its sends and receives ended (a file it
-could not read or write) aborts them too: the neighbouring copies may wait on it for good; a leader with no room
-for its previous node's files says so before any is sent, and the two skip that copy. Every file's pages are
+groups and fails as its peers' collectives do. A copy that failed midway through its exchanges with its neighbours
+aborts them too: their copies may wait on it for good. A leader that cannot read its own files offers none, and
+one with no room for its previous node's files says so before any is sent: the two skip that copy, and nothing
+aborts. Every file's pages are
 allotted before it is written: a full tmpfs is an ENOSPC, not a SIGBUS. A step is loadable when
 some node has its snapshot.json and every data file it lists is whole on some node. To load it, every rank plans its
 DCP reads, and the nodes send each other only the byte ranges of the files they lack that their ranks' plans read
@@ -563,15 +564,16 @@ class MemorySnapshots:
     def _copy_to_next(self, folder: Path, record: SnapshotRecord) -> None:
         """Send this node's data files of ``record`` to the next node's leader, and take the previous node's. A
         leader that has no room for the previous node's files says so before any is sent, and neither side posts
-        them: the copy ends at once on both, and the snapshot stays whole on its own node."""
+        them; one that cannot read its own files offers none: either way the copy ends at once on both, and the
+        snapshot stays whole on its own node."""
         exchanged = False
         try:
             started = time.monotonic()
-            mine = sorted(_whole_files(folder, record.files).items())
+            mine, sending, unreadable = _files_to_send(folder, record)
             header = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8)
             theirs = json.loads(self._exchange(header).numpy().tobytes())
             peer = self._peer(record.metadata_sha256)
-            prepared = self._room_for(peer, theirs, record.step)
+            prepared = self._room_for(peer, theirs, record.step) if theirs else []
             receiving, no_room_here = (None, prepared) if isinstance(prepared, str) else (prepared, None)
             room = torch.tensor([receiving is not None], dtype=torch.uint8)
             next_room = torch.zeros(1, dtype=torch.uint8)
@@ -579,14 +581,8 @@ class MemorySnapshots:
             operations = []
             if next_room.item():
                 operations = [
-                    dist.P2POp(
-                        dist.isend,
-                        mapped_file(folder / name),
-                        group=self._copy_group,
-                        group_peer=self._next,
-                        tag=tag,
-                    )
-                    for tag, (name, _) in enumerate(mine)
+                    dist.P2POp(dist.isend, data, group=self._copy_group, group_peer=self._next, tag=tag)
+                    for tag, data in enumerate(sending)
                 ]
             operations += [
                 dist.P2POp(dist.irecv, buffer, group=self._copy_group, group_peer=self._previous, tag=tag)
@@ -595,12 +591,14 @@ class MemorySnapshots:
             _complete(operations)
             exchanged = True
             self._report_room(no_room_here, bool(next_room.item()), record.step, mine)
-            if receiving is not None:
+            if receiving:
                 for name, _ in theirs:
                     _partial(peer / name).replace(peer / name)
                 for other in peer.parent.iterdir():
                     if other != peer:
                         shutil.rmtree(other, ignore_errors=True)
+            if unreadable is not None:
+                raise unreadable
             if next_room.item():
                 self._copied = record.step
             logger.debug(
@@ -616,9 +614,10 @@ class MemorySnapshots:
         try:
             peer.mkdir(parents=True, exist_ok=True)
             return [_file_to_fill(peer / name, size) for name, size in files]
-        except OSError as error:
+        except (OSError, RuntimeError) as error:  # torch.from_file raises RuntimeError for a file it cannot map
             shutil.rmtree(peer, ignore_errors=True)
-            return f"{error.strerror or error} ({sum(size for _, size in files)} bytes of step {step})"
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+            return f"{reason} ({sum(size for _, size in files)} bytes of step {step})"
 
     def _report_room(self, no_room_here: str | None, on_next: bool, step: int, mine: list[tuple[str, int]]) -> None:
         """Say when copies stop fitting, on either side (``no_room_here``: why not here), and when they fit again;
@@ -664,6 +663,18 @@ class MemorySnapshots:
                 dist.P2POp(dist.irecv, theirs, group=self._copy_group, group_peer=of),
             ]
         )
+
+
+def _files_to_send(
+    folder: Path, record: SnapshotRecord
+) -> tuple[list[tuple[str, int]], list[torch.Tensor], Exception | None]:
+    """This node's data files of ``record`` to copy, as (name, size) and mapped; none, and why, where one cannot be
+    read (a file that vanished): the copy then offers nothing, and the next node, told so, waits for nothing."""
+    try:
+        mine = sorted(_whole_files(folder, record.files).items())
+        return mine, [mapped_file(folder / name) for name, _ in mine], None
+    except (OSError, RuntimeError) as error:  # torch.from_file raises RuntimeError for a file it cannot open
+        return [], [], error
 
 
 def _complete(operations: list[dist.P2POp]) -> None:

@@ -493,15 +493,16 @@ def test_a_save_does_not_wait_for_a_copy_whose_peer_closed_its_connection(tmp_pa
 
 
 def copy_failing_before_its_exchange(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> tuple[str, float]:
-    """Rank 0's copy of step 1 fails before it sent or received a byte; how each rank's save of step 2 ends."""
+    """Rank 0's copy of step 1 fails in its first exchange, before it sent or received a byte; how each rank's save
+    of step 2 ends."""
     process_groups.track_group_sockets()  # as elastic.run does: the manager's groups are made after this
     os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
     if rank == 0:
 
-        def unreadable(self: MemorySnapshots, data: torch.Tensor) -> torch.Tensor:
-            raise FileNotFoundError("a data file of the snapshot vanished before it was sent")
+        def broken(self: MemorySnapshots, data: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("the copy group's connection broke before the first send")
 
-        MemorySnapshots._exchange = unreadable  # type: ignore[method-assign]
+        MemorySnapshots._exchange = broken  # type: ignore[method-assign]
     model, optimizer = sharded(seed=0)
     manager = CheckpointManager(disk, every=100, async_save=False, check_at_start=False, memory_every=1)
     state = {"model": ModelState(model, optimizer)}
@@ -517,7 +518,7 @@ def copy_failing_before_its_exchange(rank: int, world_size: int, disk: str, node
 
 @pytest.mark.timeout(120)
 def test_a_copy_that_failed_before_its_exchange_fails_every_ranks_next_save_at_once(tmp_path: Path) -> None:
-    """A leader's copy that fails before its sends and receives (here a file it could not read) left the next
+    """A leader's copy that fails before its sends and receives (here in its first exchange) left the next
     node's copy waiting for good, and that node's next save with it, while the failed leader went on into the
     save's collective: every rank stood until the watchdog's allowance (60 s in a test run where a neighbouring
     test emptied a node's folder). Now the failed leader aborts its groups, and both saves fail within seconds
@@ -611,6 +612,49 @@ def snapshot_with_no_room_for_a_copy(rank: int, world_size: int, node_dirs: list
     peer = root / "peer"
     copies = sorted(path.name for folder in peer.iterdir() for path in folder.iterdir()) if peer.is_dir() else []
     return process_groups.aborts() - aborts, copies, said.messages
+
+
+def snapshot_with_a_file_that_vanishes(rank: int, world_size: int, node_dirs: list[str]) -> Any:
+    said = Said(memory.__name__)
+    root = Path(node_dirs[rank])
+    ranks = Ranks(dist.group.WORLD)
+    snapshots = MemorySnapshots(root, ranks, dist.new_group(backend="gloo"), ranks.gather(node_of(root)))
+    if rank == 0:
+        mapped = memory.mapped_file
+        vanished: list[Path] = []
+
+        def vanishing_once(path: Path) -> torch.Tensor:
+            if not vanished:
+                vanished.append(path)
+                raise FileNotFoundError(2, "No such file or directory", str(path))
+            return mapped(path)
+
+        memory.mapped_file = vanishing_once  # type: ignore[assignment]
+    state = uneven_state()
+    aborts = process_groups.aborts()
+    for step in range(1, 4):
+        snapshots.save(step, state)
+    snapshots.wait_for_copy()
+    peer = root / "peer"
+    copies = sorted(path.name for folder in peer.iterdir() for path in folder.iterdir()) if peer.is_dir() else []
+    return process_groups.aborts() - aborts, copies, said.messages
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_that_cannot_read_its_files_offers_none_and_the_snapshots_go_on(tmp_path: Path) -> None:
+    """Node 0's leader cannot map one of its data files for step 1's copy (it vanished). The copy used to fail
+    before its exchange and abort every group: one round change for a file of the node's own. Now it offers no
+    file, node 1 waits for none, nothing aborts, node 0 says why, and the next snapshots' copies go through."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    outcomes = run_ranks(2, snapshot_with_a_file_that_vanishes, [str(n) for n in nodes], timeout=90)
+    (aborts0, copies0, said0), (aborts1, copies1, said1) = outcomes
+    assert aborts0 == aborts1 == 0
+    assert copies0 == [data_file(1)] and copies1 == [data_file(0)], "step 3's copies, both ways"
+    failed = [line for line in said0 if "could not copy the last memory snapshot" in line]
+    assert len(failed) == 1 and "No such file or directory" in failed[0], said0
+    assert not [line for line in said1 if "could not copy" in line or "room" in line], said1
 
 
 @pytest.mark.timeout(120)
