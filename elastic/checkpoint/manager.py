@@ -58,6 +58,33 @@ class CheckpointConfig(BaseModel):
     )
 
 
+class SnapshotPause:
+    """When to try snapshots in memory again after they failed: after 1, 2, 4, ... and at most
+    ``2**MAX_DOUBLINGS`` scheduled snapshots. Room in the nodes' memory can come back (a file freed, another job's
+    memory gone), and a try that fails again costs one snapshot's planning and an ENOSPC, not a step."""
+
+    MAX_DOUBLINGS = 6
+
+    def __init__(self) -> None:
+        self.failures = 0  # in a row
+        self.retry_at: int | None = None
+
+    def over(self, step: int) -> bool:
+        """Whether snapshots may be taken at ``step``."""
+        return self.retry_at is None or step >= self.retry_at
+
+    def failed(self, step: int, every: int) -> int:
+        """The snapshot of ``step`` failed (snapshots are scheduled every ``every`` steps): the step to try at next."""
+        self.failures += 1
+        self.retry_at = step + every * 2 ** min(self.failures - 1, self.MAX_DOUBLINGS)
+        return self.retry_at
+
+    def resumed(self) -> bool:
+        """A snapshot succeeded: whether snapshots had paused."""
+        paused, self.failures, self.retry_at = self.failures > 0, 0, None
+        return paused
+
+
 class CheckpointManager:
     """Committed, resharding checkpoints under ``directory``; see the package docstring for the protocol."""
 
@@ -96,6 +123,7 @@ class CheckpointManager:
         self._drains = Drains(in_step.group)
         self._drain = 0  # the drain the next save answers
         self._memory = self._memory_snapshots(in_step) if memory_every else None
+        self._memory_pause = SnapshotPause()
         self._memory_step: int | None = None  # the step should_save chose a memory snapshot for
         self._memory_only = False  # and whether that step is not also saved to disk
         self._saver = AttemptSaver(self._ranks, in_background=async_save)
@@ -155,9 +183,13 @@ class CheckpointManager:
         self._ensure_open()
         self._drain = self._drains.requested()
         durable = bool(self._drain) or bool(self.config.every and step % self.config.every == 0)
-        in_memory = self._memory is not None and (
-            # the next round loads a drain's checkpoint at once, faster from memory than from disk
-            bool(self._drain) or (step % self.config.memory_every == 0 and (self.config.async_save or not durable))
+        in_memory = (
+            self._memory is not None
+            and self._memory_pause.over(step)
+            and (
+                # the next round loads a drain's checkpoint at once, faster from memory than from disk
+                bool(self._drain) or (step % self.config.memory_every == 0 and (self.config.async_save or not durable))
+            )
         )
         self._memory_step = step if in_memory else None
         self._memory_only = in_memory and not durable
@@ -181,8 +213,11 @@ class CheckpointManager:
             self._memory_step = None
             try:
                 self._memory.save(step, state)
-            except (RankFailure, CheckpointException) as error:  # raised on every rank: every rank turns them off
-                self._stop_memory_snapshots(step, error)
+            except (RankFailure, CheckpointException) as error:  # raised on every rank: every rank pauses them
+                self._pause_memory_snapshots(step, error)
+            else:
+                if self._memory_pause.resumed() and self._ranks.rank == 0:
+                    logger.info("snapshots in memory are on again, from step %d", step)
             if self._memory_only:
                 return
         with long_operation("checkpoint save"):
@@ -304,20 +339,21 @@ class CheckpointManager:
             return None
         return MemorySnapshots(root, snapshots, copies.group, nodes)
 
-    def _stop_memory_snapshots(self, step: int, error: BaseException) -> None:
-        """No more snapshots in memory from this manager (this round): one failed on some rank, most likely for
-        want of room in the node's shared memory, and it would fail again at every step. The disk checkpoints go
-        on; the snapshots already held stay loadable."""
+    def _pause_memory_snapshots(self, step: int, error: BaseException) -> None:
+        """A snapshot in memory failed on some rank, most likely for want of room in the nodes' shared memory, and
+        would fail again at the next steps: they pause (``SnapshotPause``), the disk checkpoints go on, and the
+        snapshots already held stay loadable. Rank 0 says why once, not at every try."""
         assert self._memory is not None
-        memory, self._memory = self._memory, None
-        memory.discard(step)
-        if self._ranks.rank == 0:
+        self._memory.discard(step)
+        retry_at = self._memory_pause.failed(step, self.config.memory_every)
+        if self._ranks.rank == 0 and self._memory_pause.failures == 1:
             logger.warning(
-                "could not snapshot step %d into the nodes' memory (%s): snapshots in memory are off until the next "
-                "round, checkpoints go to disk only. Give the nodes more shared memory (docker run --shm-size, or "
-                "a larger /dev/shm) or pass memory_every=0",
+                "could not snapshot step %d into the nodes' memory (%s): snapshots in memory are off, checkpoints "
+                "go to disk only; tried again at step %d, then less and less often. Give the nodes more shared "
+                "memory (docker run --shm-size, or a larger /dev/shm) or pass memory_every=0",
                 step,
                 describe_error(error),
+                retry_at,
             )
 
     def _load_from_memory(self, state: dict[str, Any]) -> int | None:

@@ -566,7 +566,7 @@ def train_where_memory_is_full(rank: int, world_size: int, disk: str, node_dirs:
             model.weight.add_(1.0)
         if manager.should_save(step):
             manager.save(step, state)
-    turned_off = manager._memory is None
+    turned_off = manager._memory_pause.failures > 0
     manager.close()
     return turned_off, said.messages, sorted(os.listdir(Path(node_dirs[rank]) / "own"))
 
@@ -584,12 +584,52 @@ def test_a_snapshot_that_does_not_fit_in_memory_turns_snapshots_off_and_training
             assert turned_off
             assert own == [], "the failed snapshot's files were freed"
         warnings = [message for message in outcomes[0][1] if "snapshots in memory are off" in message]
+        assert "tried again at step 2" in warnings[0], warnings
         assert len(warnings) == 1 and "No space left on device" in warnings[0] and "--shm-size" in warnings[0]
         assert outcomes[1][1] == [line for line in outcomes[1][1] if "memory" not in line], "rank 0 warns alone"
     assert sorted(path.name for path in (tmp_path / "disk").iterdir() if path.name.startswith("step-")) == [
         "step-2",
         "step-4",
     ]
+
+
+def train_while_memory_frees_up(rank: int, world_size: int, node_dirs: list[str]) -> Any:
+    """Memory snapshots every step into a node memory that a ballast file fills until step 1 has failed."""
+    os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
+    said = Said("elastic.checkpoint.manager")
+    ballast = Path(node_dirs[rank]) / "ballast"
+    free = os.statvfs(node_dirs[rank])
+    ballast.write_bytes(b"\0" * (free.f_bavail * free.f_frsize - (64 << 10)))
+    model = wide_model()
+    manager = CheckpointManager(
+        node_dirs[rank] + "-disk", async_save=False, check_at_start=False, every=100, memory_every=1
+    )
+    state = {"model": ModelState(model)}
+    for step in range(1, 5):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        if manager.should_save(step):
+            manager.save(step, state)
+        if step == 1:
+            ballast.unlink()  # another process's memory given back
+    manager.close()
+    return said.messages, sorted(os.listdir(Path(node_dirs[rank]) / "own"))
+
+
+@pytest.mark.timeout(120)
+def test_snapshots_in_memory_that_did_not_fit_are_tried_again_and_resume_once_there_is_room(tmp_path: Path) -> None:
+    """Snapshots in memory that failed for want of room stayed off until the next round, however soon the room
+    came back. Now they are tried again after 1, 2, 4, ... scheduled snapshots: here the memory is freed after
+    step 1's failed, and steps 2-4 are snapshotted; one warning, and one line that they are on again."""
+    with contextlib.ExitStack() as mounts:
+        nodes = [str(mounts.enter_context(small_tmpfs(tmp_path / f"node{index}", 6 << 20))) for index in range(2)]
+        (said0, own0), (said1, own1) = run_ranks(2, train_while_memory_frees_up, nodes, timeout=90)
+    assert [line for line in said0 if "memory" in line and "step" in line] == [
+        said0[0],
+        "snapshots in memory are on again, from step 2",
+    ], said0
+    assert "No space left on device" in said0[0] and "tried again at step 2" in said0[0], said0
+    assert own0 == own1 and own0[-1] == "step-4" and "step-1" not in own0, (own0, own1)
 
 
 def uneven_state() -> dict[str, Any]:

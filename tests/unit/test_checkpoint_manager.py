@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from elastic import process_groups
 from elastic.checkpoint import CheckpointError, CheckpointManager, ModelState
 from elastic.checkpoint.layout import COMMIT_FILE, scan
+from elastic.checkpoint.manager import SnapshotPause
 from elastic.checkpoint.ranks import RankFailure
 from elastic.checkpoint.retention import prune
 
@@ -293,3 +294,15 @@ def test_model_without_optimizer_round_trips(tmp_path: Path) -> None:
     assert manager.load_latest({"model": ModelState(loaded)}) == 1
     manager.close()
     assert torch.equal(loaded.weight, saved.weight) and torch.equal(loaded.bias, saved.bias)
+
+
+@pytest.mark.timeout(10)
+def test_snapshots_that_failed_are_tried_again_less_and_less_often():
+    pause = SnapshotPause()
+    assert pause.over(1) and not pause.resumed(), "nothing failed: no pause"
+    assert [pause.failed(step, every=2) for step in (2, 4, 8, 16)] == [4, 8, 16, 32], "after 1, 2, 4, 8 snapshots"
+    assert not pause.over(31) and pause.over(32)
+    for _ in range(10):
+        pause.failed(100, every=1)
+    assert pause.retry_at == 100 + 2**SnapshotPause.MAX_DOUBLINGS, "never further apart than 64 snapshots"
+    assert pause.resumed() and pause.over(101) and pause.failed(101, every=1) == 102, "a success starts over"
