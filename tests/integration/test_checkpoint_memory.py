@@ -639,14 +639,16 @@ def uneven_state() -> dict[str, Any]:
     return {"model": {"rows": distribute_tensor(rows, mesh, [Shard(0)])}}
 
 
-def snapshot_with_no_room_for_a_copy(rank: int, world_size: int, node_dirs: list[str]) -> Any:
+def snapshot_steps(rank: int, node_dirs: list[str], steps: int) -> tuple[int, list[str], list[str]]:
+    """Snapshots of ``steps`` steps of ``uneven_state`` in memory, each node's copied to the next; the groups aborted
+    meanwhile, the peer copies this node holds at the end, and what the snapshots said."""
     said = Said(memory.__name__)
     root = Path(node_dirs[rank])
     ranks = Ranks(dist.group.WORLD)
     snapshots = MemorySnapshots(root, ranks, dist.new_group(backend="gloo"), ranks.gather(node_of(root)))
     state = uneven_state()
     aborts = process_groups.aborts()
-    for step in range(1, 5):
+    for step in range(1, steps + 1):
         snapshots.save(step, state)
     snapshots.wait_for_copy()
     peer = root / "peer"
@@ -654,11 +656,11 @@ def snapshot_with_no_room_for_a_copy(rank: int, world_size: int, node_dirs: list
     return process_groups.aborts() - aborts, copies, said.messages
 
 
+def snapshot_with_no_room_for_a_copy(rank: int, world_size: int, node_dirs: list[str]) -> Any:
+    return snapshot_steps(rank, node_dirs, 4)
+
+
 def snapshot_with_a_file_that_vanishes(rank: int, world_size: int, node_dirs: list[str]) -> Any:
-    said = Said(memory.__name__)
-    root = Path(node_dirs[rank])
-    ranks = Ranks(dist.group.WORLD)
-    snapshots = MemorySnapshots(root, ranks, dist.new_group(backend="gloo"), ranks.gather(node_of(root)))
     if rank == 0:
         mapped = memory.mapped_file
         vanished: list[Path] = []
@@ -670,14 +672,7 @@ def snapshot_with_a_file_that_vanishes(rank: int, world_size: int, node_dirs: li
             return mapped(path)
 
         memory.mapped_file = vanishing_once  # type: ignore[assignment]
-    state = uneven_state()
-    aborts = process_groups.aborts()
-    for step in range(1, 4):
-        snapshots.save(step, state)
-    snapshots.wait_for_copy()
-    peer = root / "peer"
-    copies = sorted(path.name for folder in peer.iterdir() for path in folder.iterdir()) if peer.is_dir() else []
-    return process_groups.aborts() - aborts, copies, said.messages
+    return snapshot_steps(rank, node_dirs, 3)
 
 
 @pytest.mark.timeout(120)
