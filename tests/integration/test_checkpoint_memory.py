@@ -554,21 +554,30 @@ def wide_model() -> torch.nn.Module:
     return model
 
 
-def train_where_memory_is_full(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
-    """Memory snapshots every step into a node memory too small for one; to disk every 2 steps."""
+def train_in_small_memory(
+    rank: int, world_size: int, disk: str, node_dirs: list[str], every: int, freed_after_step_1: bool
+) -> Any:
+    """Memory snapshots every step into a node memory too small for one (or, ``freed_after_step_1``, one that a
+    ballast file fills until step 1's has failed); to disk every ``every`` steps."""
     os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
     said = Said("elastic.checkpoint.manager")
+    ballast = Path(node_dirs[rank]) / "ballast"
+    if freed_after_step_1:
+        free = os.statvfs(node_dirs[rank])
+        ballast.write_bytes(b"\0" * (free.f_bavail * free.f_frsize - (64 << 10)))
     model = wide_model()
-    manager = CheckpointManager(disk, keep=2, async_save=False, check_at_start=False, every=2, memory_every=1)
+    manager = CheckpointManager(disk, keep=2, async_save=False, check_at_start=False, every=every, memory_every=1)
     state = {"model": ModelState(model)}
     for step in range(1, 5):
         with torch.no_grad():
             model.weight.add_(1.0)
         if manager.should_save(step):
             manager.save(step, state)
-    turned_off = manager._memory_pause.failures > 0
+        if step == 1 and freed_after_step_1:
+            ballast.unlink()  # another process's memory given back
+    paused = manager._memory_pause.failures > 0
     manager.close()
-    return turned_off, said.messages, sorted(os.listdir(Path(node_dirs[rank]) / "own"))
+    return paused, said.messages, sorted(os.listdir(Path(node_dirs[rank]) / "own"))
 
 
 @pytest.mark.timeout(120)
@@ -579,7 +588,7 @@ def test_a_snapshot_that_does_not_fit_in_memory_turns_snapshots_off_and_training
     memory off with one warning that names the fix, frees what it wrote, and the disk checkpoints go on."""
     with contextlib.ExitStack() as mounts:
         nodes = [str(mounts.enter_context(small_tmpfs(tmp_path / f"node{index}", 256 << 10))) for index in range(2)]
-        outcomes = run_ranks(2, train_where_memory_is_full, str(tmp_path / "disk"), nodes, timeout=90)
+        outcomes = run_ranks(2, train_in_small_memory, str(tmp_path / "disk"), nodes, 2, False, timeout=90)
         for turned_off, _, own in outcomes:
             assert turned_off
             assert own == [], "the failed snapshot's files were freed"
@@ -593,29 +602,6 @@ def test_a_snapshot_that_does_not_fit_in_memory_turns_snapshots_off_and_training
     ]
 
 
-def train_while_memory_frees_up(rank: int, world_size: int, node_dirs: list[str]) -> Any:
-    """Memory snapshots every step into a node memory that a ballast file fills until step 1 has failed."""
-    os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
-    said = Said("elastic.checkpoint.manager")
-    ballast = Path(node_dirs[rank]) / "ballast"
-    free = os.statvfs(node_dirs[rank])
-    ballast.write_bytes(b"\0" * (free.f_bavail * free.f_frsize - (64 << 10)))
-    model = wide_model()
-    manager = CheckpointManager(
-        node_dirs[rank] + "-disk", async_save=False, check_at_start=False, every=100, memory_every=1
-    )
-    state = {"model": ModelState(model)}
-    for step in range(1, 5):
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        if manager.should_save(step):
-            manager.save(step, state)
-        if step == 1:
-            ballast.unlink()  # another process's memory given back
-    manager.close()
-    return said.messages, sorted(os.listdir(Path(node_dirs[rank]) / "own"))
-
-
 @pytest.mark.timeout(120)
 def test_snapshots_in_memory_that_did_not_fit_are_tried_again_and_resume_once_there_is_room(tmp_path: Path) -> None:
     """Snapshots in memory that failed for want of room stayed off until the next round, however soon the room
@@ -623,7 +609,11 @@ def test_snapshots_in_memory_that_did_not_fit_are_tried_again_and_resume_once_th
     step 1's failed, and steps 2-4 are snapshotted; one warning, and one line that they are on again."""
     with contextlib.ExitStack() as mounts:
         nodes = [str(mounts.enter_context(small_tmpfs(tmp_path / f"node{index}", 6 << 20))) for index in range(2)]
-        (said0, own0), (said1, own1) = run_ranks(2, train_while_memory_frees_up, nodes, timeout=90)
+        disk = str(tmp_path / "disk")
+        (paused0, said0, own0), (paused1, said1, own1) = run_ranks(
+            2, train_in_small_memory, disk, nodes, 100, True, timeout=90
+        )
+    assert not paused0 and not paused1
     assert [line for line in said0 if "memory" in line and "step" in line] == [
         said0[0],
         "snapshots in memory are on again, from step 2",
