@@ -11,12 +11,20 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from launcher_harness import FAST_RDZV, REPO
 from test_elastic_training import committed_history
 
+from elastic import channel
+from elastic.channel import HEARTBEAT_ENV
+from elastic.node_memory import MEMORY_DIR_ENV
+from elastic.rounds import ROUND_FD_ENV, ROUND_WAIT_ENV
+from launcher.etcd.server import free_port
 from launcher.workers.process_tree import child_pids
+from launcher.workers.round_link import RoundLink
 
 pytestmark = pytest.mark.slow
 
@@ -269,3 +277,112 @@ def test_a_worker_blocked_where_no_abort_reaches_leaves_and_is_started_anew_with
     sent = next(r["pid"] for r in records(marks) if r["round"] == 0 and r["node"] == "a")
     later = [r for r in records(marks) if r["round"] > 0]
     assert later and all(r["pid"] != sent and not r["reentered"] for r in later), records(marks)
+
+
+def process_usage(pid: int) -> tuple[int, int, int]:
+    """(open descriptors, threads, resident kB) of a running process, from /proc."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return len(os.listdir(f"/proc/{pid}/fd")), int(status["Threads"]), int(status["VmRSS"].split()[0])
+
+
+@pytest.mark.timeout(300)
+def test_fifty_rounds_in_process_leak_no_descriptor_thread_or_memory(tmp_path):
+    """Two workers of examples/train.py under elastic.run take 50 planned rounds in a row in process, as an agent
+    hands them over (launcher.workers.round_link): each round drained first (a checkpoint at a step boundary),
+    then offered with a new store port, channel, stdout and stderr; the workers build the model anew and load
+    the drain's snapshot from memory. Whatever a round leaves behind (a process group's sockets, a channel's
+    mapping, a round's output descriptors, a manager's threads, snapshot mappings) would add up over a long
+    job's changes."""
+    rounds, warm = 50, 5
+    samples = tmp_path / "samples.jsonl"
+    links = [RoundLink.pair() for _ in range(2)]
+    node_env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        LOCAL_WORLD_SIZE="2",
+        GROUP_WORLD_SIZE="1",
+        ROLE_WORLD_SIZE="2",
+        WORLD_SIZE="2",
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        TORCHELASTIC_RUN_ID="leaks",
+        **{MEMORY_DIR_ENV: str(tmp_path / "memory"), ROUND_WAIT_ENV: "30"},
+    )
+
+    def heartbeat_file(round_: int, rank: int) -> Path:
+        return tmp_path / f"attempt_{round_}" / str(rank) / "heartbeat"
+
+    def round_env(round_: int, rank: int, port: int) -> dict[str, str]:
+        heartbeat_file(round_, rank).parent.mkdir(parents=True)
+        channel.create_channel(heartbeat_file(round_, rank))
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "ROLE_RANK": str(rank),
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "ELASTIC_ROUND": str(round_),
+            HEARTBEAT_ENV: str(heartbeat_file(round_, rank)),
+        }
+
+    def output(round_: int, rank: int, name: str):
+        return open(heartbeat_file(round_, rank).with_name(name), "wb")
+
+    def stepped_twice(round_: int) -> bool:
+        return {r["rank"] for r in records(samples) if r["round"] == round_ and r["step"] >= 2} == {0, 1}
+
+    def drained(round_: int) -> bool:
+        return all(channel.read_drain(heartbeat_file(round_, r).read_bytes()).done == round_ + 1 for r in range(2))
+
+    def wait_until(done, round_: int, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not done(round_):
+            assert all(w.poll() is None for w in workers), f"a worker exited {what}; see {tmp_path}"
+            assert time.monotonic() < deadline, f"timed out {what}; see {tmp_path}"
+            time.sleep(0.02)
+
+    tiny = ["--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--corpus-chars", "6000"]
+    command = [sys.executable, str(TRAIN), "--steps", "100000", "--global-batch", "4", *tiny]
+    command += ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "100000", "--sample-log", str(samples)]
+    port = free_port()
+    workers: list[subprocess.Popen] = []
+    usage: dict[int, list[tuple[int, int, int]]] = {}
+    try:
+        for rank, link in enumerate(links):
+            env = dict(node_env, **round_env(0, rank, port), **{ROUND_FD_ENV: str(link.worker_fd)})
+            with output(0, rank, "stdout") as out:
+                workers.append(
+                    subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, pass_fds=[link.worker_fd])
+                )
+            link.started()
+        for round_ in range(rounds + 1):
+            wait_until(stepped_twice, round_, f"before two steps in round {round_}")
+            if round_ in (warm, rounds):
+                usage[round_] = [process_usage(w.pid) for w in workers]
+            if round_ == rounds:
+                break
+            for rank in range(2):  # a planned change: every worker checkpoints at a step boundary, and waits
+                channel.request_drain(heartbeat_file(round_, rank), round_ + 1)
+            wait_until(drained, round_, f"draining round {round_}")
+            port = free_port()
+            for rank, link in enumerate(links):
+                env = dict(node_env, **round_env(round_ + 1, rank, port))
+                with output(round_ + 1, rank, "stdout") as out, output(round_ + 1, rank, "stderr") as err:
+                    assert link.offer(env, out.fileno(), err.fileno())
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait(timeout=30)
+        for link in links:
+            link.close()
+
+    found = records(samples)
+    assert {r["pid"] for r in found} == {w.pid for w in workers}, "every round in the same two processes"
+    assert min(r["step"] for r in found if r["round"] == rounds) > rounds, "each round went on from the drain's step"
+    for (fds, threads, rss), (fds_then, threads_then, rss_then) in zip(usage[rounds], usage[warm]):
+        print(
+            f"\nafter round {warm}: {fds_then} fds, {threads_then} threads, {rss_then} kB; after round {rounds}: "
+            f"{fds} fds, {threads} threads, {rss} kB"
+        )
+        assert fds <= fds_then and threads <= threads_then, usage
+        assert rss < 1.05 * rss_then, usage
