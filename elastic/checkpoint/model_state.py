@@ -109,6 +109,8 @@ class ModelState(Stateful):
         self._own_keys: bool | None = None  # whether the model's state-dict hooks rename keys; known at first use
 
     def state_dict(self) -> dict[str, Any]:
+        for optimizer in self.optimizers:
+            init_state_on_shards(optimizer)
         if self._keys_are_the_models_own():
             model_state = self.model.state_dict()
             if not self.optimizers:
@@ -116,8 +118,6 @@ class ModelState(Stateful):
             return {MODEL_KEY: model_state, OPTIMIZER_KEY: get_optimizer_state_dict(self.model, self.optimizers)}
         if not self.optimizers:
             return {MODEL_KEY: get_model_state_dict(self.model, options=self.options)}
-        for optimizer in self.optimizers:
-            init_state_on_shards(optimizer)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizers, options=self.options)
         return {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state}
 
