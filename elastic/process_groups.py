@@ -8,7 +8,9 @@ afterwards (its listening socket must stay as it is: shut down, gloo's accept lo
 the group's own connections are shut down, never the user's: the sockets that appear while
 torch builds a process group (`_new_process_group_helper`, which `init_process_group` and `new_group` both call;
 gloo connects its full mesh there) are remembered by descriptor and inode. NCCL and other backends are aborted
-with torch's own `_abort_process_group`.
+with torch's own `_abort_process_group`. A set-up still in progress (a peer stopped before it joined, so the others
+wait in a store read or a connect) has its connections shut down too: those opened since it began, its store's
+among them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ _lock = threading.Lock()
 # down, one makes gloo's accept loop fail, and its thread aborts the process)
 _group_connections: set[tuple[int, int]] = set()
 _connections_of_group: dict[int, set[tuple[int, int]]] = {}  # id(group) -> the part of them it opened
+# the sockets open when the group being set up now began (its store's connection included); None: none is. A peer
+# stopped before it joined holds the others inside the set-up, in a store read or a connect, where no connection
+# of a group is known yet
+_setting_up_since: dict[int, int] | None = None
 _installed = False
 _aborts = 0  # abort_all calls so far
 
@@ -78,28 +84,54 @@ def track_group_sockets() -> None:
     with _lock:
         if _installed or not hasattr(c10d, "_new_process_group_helper"):
             return
-        build = c10d._new_process_group_helper
+        build, rendezvous = c10d._new_process_group_helper, c10d.rendezvous
+
+        @functools.wraps(rendezvous)
+        def rendezvous_and_remember(*args, **kwargs):
+            _begin_setup(_socket_inodes())  # init_process_group: its store's connection comes before the group
+            try:
+                yield from rendezvous(*args, **kwargs)
+            except BaseException:
+                _end_setup()  # no group follows
+                raise
 
         @functools.wraps(build)
         def build_and_remember(*args, **kwargs):
             before = _socket_inodes()
+            _begin_setup(before)
             built = None
             try:
                 built = build(*args, **kwargs)
                 return built
             finally:
-                opened = {
-                    (fd, inode)
-                    for fd, inode in _socket_inodes().items()
-                    if before.get(fd) != inode and _is_connection(fd)
-                }
+                opened = _connections_since(before)
+                _end_setup()
                 with _lock:
                     _group_connections.update(opened)
                     if isinstance(built, tuple) and isinstance(built[0], dist.ProcessGroup):
                         _connections_of_group[id(built[0])] = opened
 
         c10d._new_process_group_helper = build_and_remember
+        c10d.rendezvous = rendezvous_and_remember
         _installed = True
+
+
+def _begin_setup(before: dict[int, int]) -> None:
+    global _setting_up_since
+    with _lock:
+        if _setting_up_since is None:
+            _setting_up_since = before
+
+
+def _end_setup() -> None:
+    global _setting_up_since
+    with _lock:
+        _setting_up_since = None
+
+
+def _connections_since(before: dict[int, int]) -> set[tuple[int, int]]:
+    """The TCP connections (descriptor, inode) open now that were not in ``before``."""
+    return {(fd, inode) for fd, inode in _socket_inodes().items() if before.get(fd) != inode and _is_connection(fd)}
 
 
 def peer_closed(group: dist.ProcessGroup | None) -> bool:
@@ -152,6 +184,9 @@ def abort_all() -> int:
     with _lock:
         _aborts += 1
         connections = list(_group_connections)
+        setting_up_since = _setting_up_since
+    if setting_up_since is not None:  # a set-up waiting on a peer that never came: its store and its connects too
+        connections += _connections_since(setting_up_since)
     shut = 0
     for fd, inode in connections:
         if not _still_open(fd, inode):
@@ -177,6 +212,7 @@ def destroy_all() -> None:
             dist.destroy_process_group()
         except Exception as exc:  # the groups are broken on purpose; what is left is freed with them
             logger.debug("destroying the aborted process groups failed: %s", exc)
+    _end_setup()
     with _lock:
         _group_connections.clear()
         _connections_of_group.clear()
