@@ -251,16 +251,18 @@ def test_a_node_stopped_as_a_new_round_starts_is_found_by_its_peers_stall(cluste
                 os.kill(pid, signal.SIGKILL)
 
     lost = cluster.events("node_lost")
-    stalls = [e for e in cluster.events("workers_stalled") if e["time"] > stopped_at]
-    print(
-        f"\nSIGSTOP as a round starts: first workers_stalled {stalls[0]['time'] - stopped_at:.2f}s after the stop "
-        f"(last step {stalls[0].get('last_step')}), "
-        f"node_lost {lost[0]['time'] - stopped_at:.2f}s ({lost[0]['reason']}), first collective at world 4 "
-        f"{again['time'] - stopped_at:.2f}s"
-    )
     assert [e["node"] for e in lost] == [victim_id] and PROBE_MISSED.fullmatch(lost[0]["reason"]), lost
-    assert {e["node"] for e in stalls} <= set(agents) and stalls[0]["time"] < lost[0]["time"]
-    assert lost[0]["time"] - stopped_at < 6, "found by the stall's probe, not when its 10 s lease ended"
+    stalls = [e for e in cluster.events("workers_stalled") if stopped_at < e["time"] <= lost[0]["time"]]
+    failed = [e for e in cluster.events("worker_failed") if stopped_at < e["time"] <= lost[0]["time"]]
+    print(
+        f"\nSIGSTOP as a round starts: node_lost {lost[0]['time'] - stopped_at:.2f}s after the stop, after "
+        f"{len(stalls)} stall report(s) (last steps {[e.get('last_step') for e in stalls]}) and {len(failed)} "
+        f"worker failure(s); first collective at world 4 {again['time'] - stopped_at:.2f}s"
+    )
+    # the survivors' stall, or, where one of their set-ups failed instead (a store connection reset), the roll
+    # call that a failure starts: a probe either way, long before the 10 s lease
+    assert {e["node"] for e in stalls + failed} <= set(agents) and (stalls or failed), (stalls, failed)
+    assert lost[0]["time"] - stopped_at < 6, "found by a probe, not when its 10 s lease ended"
 
 
 def test_node_added_mid_run_joins_a_six_worker_round(cluster):
