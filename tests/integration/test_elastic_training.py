@@ -268,7 +268,8 @@ def test_a_job_whose_node_memory_is_too_small_for_a_snapshot_trains_on_to_disk(t
     ckpt = tmp_path / "ckpt"
     command = (
         "mount -t tmpfs -o size=256k tmpfs /dev/shm && exec elastic-run --standalone --nproc-per-node 2 "
-        f"{REPO / 'examples' / 'train.py'} --steps 12 --ckpt-dir {ckpt} --ckpt-every 6 --d-model 128"
+        f"--log-dir {tmp_path / 'logs'} {REPO / 'examples' / 'train.py'} --steps 12 --ckpt-dir {ckpt} --ckpt-every 6 "
+        "--d-model 128"
     )
     if os.geteuid() != 0:
         pytest.skip("a mount namespace needs root")
