@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
+from elastic.shard_local_ops import copies_between_shards
+
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 _EXTRA_STATE = "_extra_state"
@@ -122,6 +124,10 @@ class ModelState(Stateful):
         return {MODEL_KEY: model_state, OPTIMIZER_KEY: optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        with copies_between_shards():
+            self._load(state_dict)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         if self._keys_are_the_models_own():
             self.model.load_state_dict(state_dict[MODEL_KEY])
             if self.optimizers:

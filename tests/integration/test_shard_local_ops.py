@@ -1,0 +1,112 @@
+"""Fused optimizer steps over FSDP2's DTensors, run on the local shards: the same values as DTensor's own way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from multiproc import run_ranks
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from elastic import shard_local_ops
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, fused=True),
+    "adam-amsgrad-tensor-lr": lambda params: torch.optim.Adam(params, lr=torch.tensor(0.05), amsgrad=True, fused=True),
+    "adam-maximize": lambda params: torch.optim.Adam(params, lr=0.1, maximize=True, fused=True),
+}
+
+
+def trained(name: str, rank: int) -> tuple[list[torch.Tensor], list[Any]]:
+    """Four steps of a tiny FSDP2 model (uneven shards at 3 ranks, and an empty one): local parameters and
+    optimizer state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 2))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = OPTIMIZERS[name](model.parameters())
+    for step in range(4):
+        torch.manual_seed(100 * step + rank)
+        model(torch.randn(4, 6)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    params = [param.to_local().clone() for param in model.parameters()]
+    states = [
+        {key: value.to_local() if isinstance(value, DTensor) else value for key, value in state.items()}
+        for state in optimizer.state.values()
+    ]
+    return params, states
+
+
+def steps_both_ways(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    torchs = trained(name, rank)
+    taken: list[bool] = []
+    local_operands = shard_local_ops._local_operands
+
+    def counted(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        local = local_operands(args, kwargs)
+        taken.append(local is not None)
+        return local
+
+    shard_local_ops._local_operands = counted
+    shard_local_ops.take_over_fused_steps()
+    shard_local_ops.take_over_fused_steps()  # idempotent
+    ours = trained(name, rank)
+    return {"torchs": torchs, "ours": ours, "taken": taken}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.timeout(120)
+def test_fused_steps_on_the_shards_give_dtensors_values(name: str) -> None:
+    """Each round's first fused AdamW step over FSDP2's DTensors cost 0.28 s of sharding propagation at 6 ranks
+    on 2 cores. Run on the local shards instead (every operand laid out as its parameter), four steps at 3 ranks
+    give the same parameters and optimizer state, bit for bit, as DTensor's own dispatch."""
+    for result in run_ranks(3, steps_both_ways, name):
+        assert result["taken"] == [True] * 4, "every step ran on the shards"
+        torch_params, torch_states = result["torchs"]
+        our_params, our_states = result["ours"]
+        assert all(torch.equal(a, b) for a, b in zip(torch_params, our_params, strict=True))
+        for theirs, mine in zip(torch_states, our_states, strict=True):
+            assert theirs.keys() == mine.keys()
+            assert all(torch.equal(theirs[key], mine[key]) for key in theirs)
+
+
+def mixed_layouts(rank: int, world_size: int) -> dict[str, Any]:
+    """A fused step whose moment is replicated while its parameter is sharded: DTensor redistributes, so it is
+    left to DTensor; and a copy into a sharded tensor from a replicated one, within copies_between_shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(12.0).reshape(6, 2)
+
+    def step() -> torch.Tensor:
+        param = distribute_tensor(full.clone(), mesh, [Shard(0)])
+        grad = distribute_tensor(torch.ones(6, 2), mesh, [Shard(0)])
+        moment = distribute_tensor(torch.full((6, 2), 0.5), mesh, [Replicate()])
+        second = distribute_tensor(torch.ones(6, 2), mesh, [Shard(0)])
+        steps = [torch.tensor(1.0)]
+        kwargs = {"lr": 0.1, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0, "eps": 1e-8}
+        torch._fused_adamw_([param], [grad], [moment], [second], [], steps, amsgrad=False, maximize=False, **kwargs)
+        return param.full_tensor()
+
+    torchs = step()
+    shard_local_ops.take_over_fused_steps()
+    ours = step()
+    target = distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)])
+    with shard_local_ops.copies_between_shards():
+        target.copy_(distribute_tensor(full, mesh, [Replicate()]))
+    return {
+        "same_step": torch.equal(torchs, ours),
+        "copied": torch.equal(target.full_tensor(), full),
+        "copy_left": torch.ops.aten.copy_.default in DTensor._op_dispatcher._custom_op_handlers,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_operands_laid_out_otherwise_go_to_dtensor() -> None:
+    for result in run_ranks(2, mixed_layouts):
+        assert result == {"same_step": True, "copied": True, "copy_left": False}
