@@ -49,12 +49,13 @@ Layout (little-endian, `SIZE` bytes; the writer bumps `seq` to odd before a chan
 | 944    | drain_step   | i64       | that checkpoint's step                                                |
 | 952    | drainable    | u32       | 1 once a `CheckpointManager` that answers drains runs in this worker  |
 | 956    | inprocess    | u32       | 1 once the worker runs under `elastic.run`: it takes new rounds in process |
+| 960    | drain_memory | u32       | by the agent, before `drain_request`: 1 if a snapshot in memory answers it |
 
 The channel also carries drains (the worker's side is `elastic.checkpoint.drain`, the agent's
 `launcher.node.round_workers`): before a planned change (a node joining, an agent told to stop) the agent writes a
 drain number into `drain_request`; `CheckpointManager.should_save` sees it, the ranks agree on the step, save and
-commit, and each writes the number into `drain_done`, then waits at the step boundary until the request is
-withdrawn or the round ends.
+commit (into memory alone where `drain_memory` says so and snapshots in memory are on), and each writes the number
+into `drain_done`, then waits at the step boundary until the request is withdrawn or the round ends.
 """
 
 from __future__ import annotations
@@ -100,9 +101,9 @@ _OP = struct.Struct("<dd48s")  # op_timeout, op_started, op_name at offset 64
 _RING = struct.Struct(f"<{WINDOW}d")
 _SNAPSHOT = struct.Struct(f"<4sIIiQQqdI4xQdd48s{WINDOW}d")
 OFF_PID, OFF_SEQ, OFF_BEAT, OFF_DEPTH, OFF_RING_TOTAL, OFF_OP, OFF_RING = 8, 16, 24, 48, 56, 64, 128
-OFF_DRAIN_REQUEST, OFF_DRAIN_DONE, OFF_DRAINABLE, OFF_INPROCESS = 928, 936, 952, 956
+OFF_DRAIN_REQUEST, OFF_DRAIN_DONE, OFF_DRAINABLE, OFF_INPROCESS, OFF_DRAIN_MEMORY = 928, 936, 952, 956, 960
 _DRAIN_DONE = struct.Struct("<Qq")  # drain_done, drain_step
-assert _SNAPSHOT.size == OFF_RING + _RING.size == OFF_DRAIN_REQUEST and OFF_INPROCESS + _U32.size <= SIZE
+assert _SNAPSHOT.size == OFF_RING + _RING.size == OFF_DRAIN_REQUEST and OFF_DRAIN_MEMORY + _U32.size <= SIZE
 
 
 def create_channel(path: os.PathLike | str) -> None:
@@ -121,10 +122,12 @@ def create_channel(path: os.PathLike | str) -> None:
         os.close(fd)
 
 
-def request_drain(path: os.PathLike | str, number: int) -> None:
-    """The agent's side: ask the worker of the channel at `path` for drain `number` (0 withdraws the request)."""
+def request_drain(path: os.PathLike | str, number: int, in_memory: bool = False) -> None:
+    """The agent's side: ask the worker of the channel at `path` for drain `number` (0 withdraws the request),
+    answered by a snapshot in memory alone if `in_memory`."""
     fd = os.open(os.fspath(path), os.O_WRONLY)
     try:
+        os.pwrite(fd, _U32.pack(int(in_memory)), OFF_DRAIN_MEMORY)  # first: the number makes the request
         os.pwrite(fd, _U64.pack(number), OFF_DRAIN_REQUEST)
     finally:
         os.close(fd)
@@ -327,6 +330,10 @@ class Channel:
             return 0  # given up for a new round's channel: that one carries the drains now
         return _U64.unpack_from(self._view, OFF_DRAIN_REQUEST)[0]
 
+    def drain_in_memory(self) -> bool:
+        """Whether a snapshot in memory answers the drain requested (read after `drain_requested`)."""
+        return self._pid != -1 and bool(_U32.unpack_from(self._view, OFF_DRAIN_MEMORY)[0])
+
     def set_drainable(self) -> None:
         if os.getpid() == self._pid:
             _U32.pack_into(self._view, OFF_DRAINABLE, 1)
@@ -368,6 +375,9 @@ class _Disabled:
 
     def drain_requested(self) -> int:
         return 0
+
+    def drain_in_memory(self) -> bool:
+        return False
 
     def set_drainable(self) -> None:
         pass

@@ -181,15 +181,14 @@ class CheckpointManager:
         a drain's (the next round loads it at once, from memory faster than from disk).
         A collective: call it on every rank at every step, as in ``if mgr.should_save(step): mgr.save(step, state)``."""
         self._ensure_open()
-        self._drain = self._drains.requested()
-        durable = bool(self._drain) or bool(self.config.every and step % self.config.every == 0)
-        in_memory = (
-            self._memory is not None
-            and self._memory_pause.over(step)
-            and (
-                # the next round loads a drain's checkpoint at once, faster from memory than from disk
-                bool(self._drain) or (step % self.config.memory_every == 0 and (self.config.async_save or not durable))
-            )
+        drain = self._drains.requested()
+        self._drain = drain.number
+        memory_on = self._memory is not None and self._memory_pause.over(step)
+        on_schedule = bool(self.config.every and step % self.config.every == 0)
+        durable = on_schedule or (bool(drain.number) and (drain.to_disk or not memory_on))
+        in_memory = memory_on and (
+            # the next round loads a drain's checkpoint at once, faster from memory than from disk
+            bool(drain.number) or (step % self.config.memory_every == 0 and (self.config.async_save or not durable))
         )
         self._memory_step = step if in_memory else None
         self._memory_only = in_memory and not durable
@@ -215,10 +214,14 @@ class CheckpointManager:
                 self._memory.save(step, state)
             except (RankFailure, CheckpointException) as error:  # raised on every rank: every rank pauses them
                 self._pause_memory_snapshots(step, error)
+                snapshotted = False
             else:
+                snapshotted = True
                 if self._memory_pause.resumed() and self._ranks.rank == 0:
                     logger.info("snapshots in memory are on again, from step %d", step)
-            if self._memory_only:
+            if self._memory_only and not (self._drain and not snapshotted):  # a drain's snapshot failed: to disk
+                if self._drain:
+                    self._commit_drain_in_memory(step)
                 return
         with long_operation("checkpoint save"):
             self.wait()
@@ -226,6 +229,17 @@ class CheckpointManager:
             self._save(step, state, self.config.async_save and not drain)
             if drain:
                 self._drains.committed(drain, step)
+
+    def _commit_drain_in_memory(self, step: int) -> None:
+        """Answer the drain with the snapshot of `step` just taken: the save to disk in flight committed first (a
+        round change would abort it), and this node's part copied to the next node (a node lost during the change
+        is covered), then wait at the step boundary as a drain saved to disk does."""
+        assert self._memory is not None
+        with long_operation("checkpoint save"):
+            self.wait()
+            self._memory.wait_for_copy()
+        drain, self._drain = self._drain, 0
+        self._drains.committed(drain, step)
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise on every rank if it failed anywhere."""

@@ -207,7 +207,8 @@ class RoundWorkers:
                     run.round,
                     request.reason,
                 )
-                self.group.request_drain(request.number)
+                # a node that joins leaves every node's memory, and the snapshots in it, where they are
+                self.group.request_drain(request.number, in_memory=request.reason == "scale_up")
                 run.drain_asked = request.number
             pending = self.group.drain_answer(request.number)
             why = self.group.why_no_drain() if pending is None else None

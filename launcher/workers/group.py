@@ -345,9 +345,10 @@ class WorkerGroup:
         """Not hung, or hung and left alive for the next round (the watchdog's `spare_reentrant`)."""
         return self.watchdog.hang(local_rank) is None or self.watchdog.spared(local_rank)
 
-    def request_drain(self, number: int) -> None:
-        """Ask the workers to checkpoint at their next step and wait there (0: withdraw the request)."""
-        self.watchdog.request_drain(number)
+    def request_drain(self, number: int, in_memory: bool = False) -> None:
+        """Ask the workers to checkpoint at their next step and wait there (0: withdraw the request); `in_memory`:
+        a snapshot in memory is checkpoint enough (every node stays, and its memory with it)."""
+        self.watchdog.request_drain(number, in_memory)
 
     def drain_answer(self, number: int) -> DrainReport | None:
         """This node's answer to drain `number`: the step its workers committed, step None when none of them

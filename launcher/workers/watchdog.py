@@ -177,11 +177,12 @@ class Watchdog:
             if process.poll() is None and self._stopped(worker, process)
         ]
 
-    def request_drain(self, number: int) -> None:
-        """Ask every worker for drain `number` (0 withdraws it) through its channel."""
+    def request_drain(self, number: int, in_memory: bool = False) -> None:
+        """Ask every worker for drain `number` (0 withdraws it) through its channel; `in_memory`: a snapshot in
+        memory answers it."""
         for worker in self.workers:
             try:
-                channel.request_drain(worker.path, number)
+                channel.request_drain(worker.path, number, in_memory)
             except OSError as exc:
                 logger.warning("could not ask worker %s for a drain: %s", worker.path.parent.name, exc)
 

@@ -98,3 +98,50 @@ def test_a_drain_is_snapshotted_in_memory_too_and_the_next_round_loads_it_from_t
     assert loaded["progress"].step == 3
     for name, value in loaded["model"].model.state_dict().items():
         assert torch.equal(value, saved[name]), name
+
+
+def drain_and_withdraw(manager: CheckpointManager, state, path: Path, view, step: int, number: int) -> None:
+    """Save `step` for drain `number` (asked for already) in a thread, until the drain is answered; withdraw it."""
+    assert manager.should_save(step)
+    saving = threading.Thread(target=manager.save, args=(step, state), daemon=True)
+    saving.start()
+    deadline = time.monotonic() + 20
+    while channel.read_drain(view).done != number and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert channel.read_drain(view) == channel.DrainState(drainable=True, done=number, step=step)
+    channel.request_drain(path, 0)
+    saving.join(timeout=10)
+    assert not saving.is_alive()
+
+
+def test_a_drain_before_a_join_is_answered_by_a_snapshot_in_memory_alone(tmp_path, agent_channel, monkeypatch):
+    """Before a node joins, every node stays, and the snapshots in their memory with them: the drain is answered
+    by a snapshot, without the synchronous save to disk (0.16-0.21 s of a 0.35 s drain at 4 ranks on 2 cores),
+    and the next round loads it from memory."""
+    path, view = agent_channel
+    monkeypatch.setenv(MEMORY_DIR_ENV, str(tmp_path / "memory"))
+    manager = CheckpointManager(tmp_path / "ckpt", keep=3, async_save=True, every=50, memory_every=7)
+    state = make_state(seed=0)
+    manager.load_latest(state)  # saves step 0, to disk
+    channel.request_drain(path, 4, in_memory=True)
+    train(state, 3)
+    drain_and_withdraw(manager, state, path, view, step=3, number=4)
+    assert [e.step for e in scan(tmp_path / "ckpt")] == [0], "nothing of step 3 on disk"
+    manager.close()
+    saved = {name: value.clone() for name, value in state["model"].model.state_dict().items()}
+
+    loaded = make_state(seed=1)
+    assert CheckpointManager(tmp_path / "ckpt", memory_every=7).load_latest(loaded) == 3
+    for name, value in loaded["model"].model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+
+def test_a_drain_that_memory_may_answer_goes_to_disk_without_snapshots_in_memory(tmp_path, agent_channel):
+    path, view = agent_channel
+    manager = CheckpointManager(tmp_path / "ckpt", keep=3, async_save=True, every=50, check_at_start=False)
+    state = make_state(seed=0)
+    channel.request_drain(path, 4, in_memory=True)
+    train(state, 3)
+    drain_and_withdraw(manager, state, path, view, step=3, number=4)
+    assert [e.step for e in scan(tmp_path / "ckpt") if e.committed] == [3]
+    manager.close()

@@ -13,6 +13,7 @@ import pytest
 from launcher_harness import REPO
 from test_elastic_training import TINY
 
+from elastic.checkpoint.layout import scan
 from launcher.workers.process_tree import child_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -75,6 +76,8 @@ def test_a_scale_up_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
     drained = cluster.events("drain_committed")
     assert [e["reason"] for e in cluster.events("drain_requested")] == ["scale_up"]
     assert len(drained) == 1 and drained[0]["step"] == max(rounds[0]), "round 1 went on from the drain's step"
+    on_disk = [entry.step for entry in scan(tmp_path / "ckpt") if entry.committed]
+    assert drained[0]["step"] not in on_disk, "every node stays: a snapshot in memory answers the drain"
     grown = cluster.events("round_started")[-1]
     assert (grown["reason"], grown["world_size"]) == ("scale_up", 3)
     print(
@@ -95,6 +98,8 @@ def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster,
     assert [e["reason"] for e in cluster.events("drain_requested")] == ["node_left"]
     drained = cluster.events("drain_committed")
     assert len(drained) == 1 and drained[0]["step"] == max(rounds[0]), f"{cluster.log()}\n{cluster.dump()}"
+    on_disk = [entry.step for entry in scan(tmp_path / "ckpt") if entry.committed]
+    assert drained[0]["step"] in on_disk, "a node that leaves takes its memory: the drain is saved to disk"
     assert [e["node"] for e in cluster.events("node_left")] == ["c"] and not cluster.events("node_lost")
     last = cluster.events("round_started")[-1]
     assert (last["reason"], last["world_size"]) == ("node_left", 2)
