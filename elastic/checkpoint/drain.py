@@ -1,13 +1,15 @@
 """Drains: the checkpoint elastic-run asks for before a planned change, so the next round redoes no step.
 
 Before a node joins (scale-up) or an agent that was told to stop leaves, the agents write a drain number into
-each worker's channel (`elastic.channel`), and whether a snapshot in memory answers it: before a join, every node
-stays and its memory with it, so with snapshots in memory on, the drain is one snapshot (0.16-0.21 s sooner than
-with a synchronous save to disk, at 4 ranks on 2 cores); a node that leaves takes its memory away, so that drain
-is saved to disk too. The ranks must save at the same step, and each sees the request
-at its own moment, so `Drains.requested` is a collective: every rank calls it at every step boundary (it is
-what `CheckpointManager.should_save` does) and they agree on the largest number any of them saw, over a gloo
-group of their own (one tiny all_reduce per step). Once that save committed, each rank reports the number
+each worker's channel (`elastic.channel`), and whether a snapshot in memory answers it: where the nodes that stay
+hold all of it and are enough to go on (a join; a leave that leaves at least MIN nodes, each node's part having
+reached its next node), the drain is one snapshot, with snapshots in memory on (0.16-0.21 s sooner than with a
+synchronous save to disk, at 4 ranks on 2 cores); otherwise it is saved to disk too.
+
+The ranks must save at the same step, and each sees the request at its own moment, so `Drains.requested` is a
+collective: every rank calls it at every step boundary (it is what `CheckpointManager.should_save` does) and they
+agree on the largest number any of them saw (and on disk if any rank was asked for it), over a gloo group of
+their own (one tiny all_reduce per step). Once that save committed, each rank reports the number
 back and waits at the step boundary, inside an unlimited long operation, until the agent withdraws the request
 (the change did not happen) or stops it for the next round, which loads that checkpoint (under `elastic.run`,
 the next round's offer ends the wait with `RoundChanged`).

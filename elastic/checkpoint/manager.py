@@ -219,10 +219,11 @@ class CheckpointManager:
                 snapshotted = True
                 if self._memory_pause.resumed() and self._ranks.rank == 0:
                     logger.info("snapshots in memory are on again, from step %d", step)
-            if self._memory_only and not (self._drain and not snapshotted):  # a drain's snapshot failed: to disk
-                if self._drain:
-                    self._commit_drain_in_memory(step)
+            if self._memory_only and not self._drain:
                 return
+            if self._memory_only and snapshotted and self._commit_drain_in_memory(step):
+                return
+            # a drain whose snapshot failed, or is not on every node's next node: to disk
         with long_operation("checkpoint save"):
             self.wait()
             drain, self._drain = self._drain, 0
@@ -230,16 +231,21 @@ class CheckpointManager:
             if drain:
                 self._drains.committed(drain, step)
 
-    def _commit_drain_in_memory(self, step: int) -> None:
-        """Answer the drain with the snapshot of `step` just taken: the save to disk in flight committed first (a
-        round change would abort it), and this node's part copied to the next node (a node lost during the change
-        is covered), then wait at the step boundary as a drain saved to disk does."""
+    def _commit_drain_in_memory(self, step: int) -> bool:
+        """Answer the drain with the snapshot of `step` just taken, once the save to disk in flight committed (a
+        round change would abort it) and every node's part is on the next node too (the node that leaves takes
+        its memory; one lost during the change is covered), and wait at the step boundary as a drain saved to disk
+        does. False, answering nothing, where a copy failed."""
         assert self._memory is not None
         with long_operation("checkpoint save"):
             self.wait()
-            self._memory.wait_for_copy()
+            if not self._memory.copied_everywhere():
+                if self._ranks.rank == 0:
+                    logger.warning("drain at step %d: the snapshot is not on every next node; saving to disk", step)
+                return False
         drain, self._drain = self._drain, 0
         self._drains.committed(drain, step)
+        return True
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise on every rank if it failed anywhere."""

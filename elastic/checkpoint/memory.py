@@ -300,11 +300,17 @@ class MemorySnapshots:
                 self._copy.start()
         logger.debug("memory snapshot of step %d in %.3fs", step, time.monotonic() - started)
 
-    def wait_for_copy(self) -> None:
-        """Wait until this node's part of the last snapshot is on the next node (leaders; others return). A copy
-        whose peer closed its connection ends only when this process's groups are aborted (gloo may wait on a
-        peer that died mid-message forever): they are, so this rank fails like its peers and takes the next
-        round, instead of blocking until elastic-run finds its node stalled."""
+    def copied_everywhere(self) -> bool:
+        """Wait for this node's copy of the last snapshot; whether every node's part of it reached the next node,
+        so that it outlives any one node (a collective)."""
+        return all(self._ranks.gather(self.wait_for_copy()))
+
+    def wait_for_copy(self) -> bool:
+        """Wait until this node's part of the last snapshot is on the next node (leaders; others return); whether
+        it got there, or nothing was left to copy. A copy whose peer closed its connection ends only when this
+        process's groups are aborted (gloo may wait on a peer that died mid-message forever): they are, so this
+        rank fails like its peers and takes the next round, instead of blocking until elastic-run finds its node
+        stalled."""
         aborted = False
         if self._copy is not None:
             while self._copy.is_alive():
@@ -318,16 +324,18 @@ class MemorySnapshots:
                     aborted = True
                     self._copy.join()
             self._copy = None
-        if self._copy_error is not None:
-            error, self._copy_error = self._copy_error, None
-            logger.warning("could not copy the last memory snapshot to the next node: %s", error)
-            if self._copy_broke_off and not aborted:
-                # the neighbours' copies may wait for sends or receives this one never posted, and their next
-                # saves with them, while this rank would wait in the next save's collective: all stood until the
-                # watchdog's allowance ran out. Aborted, this rank fails at once and its neighbours' copies see
-                # the closed connections, so every rank takes the next round as it does after a peer's death.
-                logger.warning("aborting this process's groups: the next node's copy may wait on this one for good")
-                process_groups.abort_all()
+        if self._copy_error is None:
+            return True
+        error, self._copy_error = self._copy_error, None
+        logger.warning("could not copy the last memory snapshot to the next node: %s", error)
+        if self._copy_broke_off and not aborted:
+            # the neighbours' copies may wait for sends or receives this one never posted, and their next
+            # saves with them, while this rank would wait in the next save's collective: all stood until the
+            # watchdog's allowance ran out. Aborted, this rank fails at once and its neighbours' copies see
+            # the closed connections, so every rank takes the next round as it does after a peer's death.
+            logger.warning("aborting this process's groups: the next node's copy may wait on this one for good")
+            process_groups.abort_all()
+        return False
 
     def discard(self, step: int) -> None:
         """Free what a save of ``step`` that failed wrote on this node (leaders; it never counted: no record)."""

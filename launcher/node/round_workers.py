@@ -207,8 +207,7 @@ class RoundWorkers:
                     run.round,
                     request.reason,
                 )
-                # a node that joins leaves every node's memory, and the snapshots in it, where they are
-                self.group.request_drain(request.number, in_memory=request.reason == "scale_up")
+                self.group.request_drain(request.number, in_memory=request.in_memory)
                 run.drain_asked = request.number
             pending = self.group.drain_answer(request.number)
             why = self.group.why_no_drain() if pending is None else None

@@ -170,7 +170,12 @@ class Controller:
                 assert_never(decision)
 
     def _request_drain(self, decision: RequestDrain, view: JobView) -> None:
-        request = DrainRequest(round=decision.round, number=random.randrange(1, 2**63), reason=decision.reason)
+        request = DrainRequest(
+            round=decision.round,
+            number=random.randrange(1, 2**63),
+            reason=decision.reason,
+            in_memory=decision.in_memory,
+        )
         if self.store.request_drain(self.holder, view.round_revision, request):
             logger.info(
                 "round %d: %s; asking its workers to checkpoint at their next step and wait",

@@ -148,6 +148,9 @@ class RequestDrain:
 
     round: int
     reason: str  # scale_up or node_left
+    # whether a snapshot in memory answers it: every node stays (a join), or those that stay are enough to go on,
+    # and each holds the next copy of the leaving node's part; else it is saved to disk too
+    in_memory: bool = False
 
 
 @dataclass(frozen=True)
@@ -445,7 +448,11 @@ def _leaving_members(
     if not leaving:
         return None
     if settings.drain_timeout and round_.round not in view.drains:
-        return RequestDrain(round=round_.round, reason=RoundReason.NODE_LEFT.value)  # the leaving agent waits for it
+        staying = len(round_.members) - len(leaving)
+        # the leaving agent waits for it
+        return RequestDrain(
+            round=round_.round, reason=RoundReason.NODE_LEFT.value, in_memory=staying >= settings.min_nodes
+        )
     return _evict_after_close_timeout(
         leaving,
         _set(clock.leaving_since),
@@ -547,7 +554,7 @@ def _evict_or_grow(view: JobView, round_: RoundRecord, clock: Clock, now: float,
         deadline = _set(clock.joiner_since) + settings.last_call_timeout
         if len(members) + len(waiting) >= settings.max_nodes or now >= deadline:
             if settings.drain_timeout and round_.round not in view.drains:
-                return RequestDrain(round=round_.round, reason=RoundReason.SCALE_UP.value)
+                return RequestDrain(round=round_.round, reason=RoundReason.SCALE_UP.value, in_memory=True)
             drain_deadline = (clock.drain_since or now) + settings.drain_timeout
             if not settings.drain_timeout or _drained(view) or now >= drain_deadline:
                 return _form(view, eligible, RoundReason.SCALE_UP, round_.restart_count, settings, wall)

@@ -337,6 +337,8 @@ class DrainRequest(Record):
     round: int
     number: int = Field(gt=0, lt=2**63)  # what the agents write into the workers' channels
     reason: Literal["scale_up", "node_left"]
+    # a snapshot in memory answers it (the nodes that stay hold every part of it); False: to disk too
+    in_memory: bool = False
 
 
 class DrainReport(Record):

@@ -14,6 +14,7 @@ from test_checkpoint_manager import make_state, train
 from elastic import channel
 from elastic.checkpoint import CheckpointManager
 from elastic.checkpoint.layout import scan
+from elastic.checkpoint.memory import MemorySnapshots
 from elastic.node_memory import MEMORY_DIR_ENV
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -134,6 +135,22 @@ def test_a_drain_before_a_join_is_answered_by_a_snapshot_in_memory_alone(tmp_pat
     assert CheckpointManager(tmp_path / "ckpt", memory_every=7).load_latest(loaded) == 3
     for name, value in loaded["model"].model.state_dict().items():
         assert torch.equal(value, saved[name]), name
+
+
+def test_a_drain_whose_snapshot_is_not_on_every_next_node_goes_to_disk(tmp_path, agent_channel, monkeypatch):
+    """A node that leaves takes its memory: a drain answered in memory needs every node's part on its next node.
+    Where a copy failed, the drain is saved to disk as well."""
+    path, view = agent_channel
+    monkeypatch.setenv(MEMORY_DIR_ENV, str(tmp_path / "memory"))
+    monkeypatch.setattr(MemorySnapshots, "copied_everywhere", lambda self: False)
+    manager = CheckpointManager(tmp_path / "ckpt", keep=3, async_save=True, every=50, memory_every=7)
+    state = make_state(seed=0)
+    manager.load_latest(state)
+    channel.request_drain(path, 4, in_memory=True)
+    train(state, 3)
+    drain_and_withdraw(manager, state, path, view, step=3, number=4)
+    assert [e.step for e in scan(tmp_path / "ckpt") if e.committed] == [0, 3]
+    manager.close()
 
 
 def test_a_drain_that_memory_may_answer_goes_to_disk_without_snapshots_in_memory(tmp_path, agent_channel):

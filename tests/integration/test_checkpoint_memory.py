@@ -650,19 +650,48 @@ def snapshot_with_no_room_for_a_copy(rank: int, world_size: int, node_dirs: list
     return snapshot_steps(rank, node_dirs, 4)
 
 
+def first_file_to_send_vanishes() -> None:
+    mapped = memory.mapped_file
+    vanished: list[Path] = []
+
+    def vanishing_once(path: Path) -> torch.Tensor:
+        if not vanished:
+            vanished.append(path)
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return mapped(path)
+
+    memory.mapped_file = vanishing_once  # type: ignore[assignment]
+
+
 def snapshot_with_a_file_that_vanishes(rank: int, world_size: int, node_dirs: list[str]) -> Any:
     if rank == 0:
-        mapped = memory.mapped_file
-        vanished: list[Path] = []
-
-        def vanishing_once(path: Path) -> torch.Tensor:
-            if not vanished:
-                vanished.append(path)
-                raise FileNotFoundError(2, "No such file or directory", str(path))
-            return mapped(path)
-
-        memory.mapped_file = vanishing_once  # type: ignore[assignment]
+        first_file_to_send_vanishes()
     return snapshot_steps(rank, node_dirs, 3)
+
+
+def copied_everywhere_after_each_step(rank: int, world_size: int, node_dirs: list[str]) -> list[bool]:
+    if rank == 0:
+        first_file_to_send_vanishes()
+    root = Path(node_dirs[rank])
+    ranks = Ranks(dist.group.WORLD)
+    snapshots = MemorySnapshots(root, ranks, dist.new_group(backend="gloo"), ranks.gather(node_of(root)))
+    state = uneven_state()
+    everywhere = []
+    for step in (1, 2):
+        snapshots.save(step, state)
+        everywhere.append(snapshots.copied_everywhere())
+    return everywhere
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_knows_whether_each_nodes_part_reached_the_next_node(tmp_path: Path) -> None:
+    """What a drain answered in memory needs (a node that leaves takes its memory): step 1's copy from node 0
+    failed (a file vanished), so no rank counts step 1 as on every next node; step 2's went through."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    outcomes = run_ranks(2, copied_everywhere_after_each_step, [str(n) for n in nodes], timeout=90)
+    assert outcomes == [[False, True], [False, True]]
 
 
 @pytest.mark.timeout(120)

@@ -160,7 +160,7 @@ DRAINING = dataclasses.replace(SETTINGS, drain_timeout=60)
 
 def test_a_scale_up_drains_first_and_forms_once_every_member_answered():
     job = view("a", "b", "c", round_of=("a", "b"), acked={"a", "b"})
-    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "scale_up"), "MAX present: drain, then grow"
+    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "scale_up", in_memory=True), "MAX present: drain, then grow"
     job.drains[0] = DrainRequest(round=0, number=7, reason="scale_up")
     job.reports[0].drained = {"a": DrainReport(number=7, step=41)}
     assert at(job, T0, T0 + 59, DRAINING) == Wait(T0 + 60, "round running"), "b still saving"
@@ -180,11 +180,21 @@ def test_a_drain_that_does_not_commit_within_drain_timeout_lets_the_change_go_ah
 def test_a_leaving_member_drains_the_round_and_a_drain_whose_change_is_off_is_withdrawn():
     job = view("a", "b", round_of=("a", "b"), acked={"a", "b"})
     job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
-    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "node_left")
+    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "node_left", in_memory=False), "a alone: fewer than MIN"
     assert at(job, T0, T0) == Wait(until=T0 + 30, why="b leaving"), "drain_timeout=0: no drain"
     job.left.clear()  # the notice is gone but b still runs: nothing planned any more
     job.drains[0] = DrainRequest(round=0, number=7, reason="node_left")
     assert at(job, T0, T0, DRAINING) == WithdrawDrain(0)
+
+
+def test_a_leaving_members_drain_is_answered_in_memory_where_those_that_stay_go_on():
+    """Those that stay hold every part of the snapshot (each node's next holds a copy of its part): in memory, if
+    they are enough to go on; otherwise the job may end with them, and the drain goes to disk."""
+    job = view("a", "b", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"})
+    job.left["c"] = LeaveRecord(node="c", incarnation=1, reason="agent received SIGTERM")
+    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "node_left", in_memory=True)
+    job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
+    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "node_left", in_memory=False), "a alone: fewer than MIN"
 
 
 def test_members_that_never_start_the_round_are_evicted_after_close_timeout():
