@@ -9,8 +9,9 @@ the group's own connections are shut down, never the user's: the sockets that ap
 torch builds a process group (`_new_process_group_helper`, which `init_process_group` and `new_group` both call;
 gloo connects its full mesh there) are remembered by descriptor and inode. NCCL and other backends are aborted
 with torch's own `_abort_process_group`. A set-up still in progress (a peer stopped before it joined, so the others
-wait in a store read or a connect) has its connections shut down too: those opened since it began, its store's
-among them.
+wait in a store read or a connect) has its connections shut down too: those opened since it began; and so has
+the connection of `init_process_group`'s store, in which every later group's set-up reads its peers' addresses
+(a set-up whose store's host was stopped waits there, on none of its own).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ _lock = threading.Lock()
 # down, one makes gloo's accept loop fail, and its thread aborts the process)
 _group_connections: set[tuple[int, int]] = set()
 _connections_of_group: dict[int, set[tuple[int, int]]] = {}  # id(group) -> the part of them it opened
+# the connections init_process_group's store opened: every later group's set-up reads its peers' addresses there,
+# and one whose store stopped answering (its host stopped) waits in that read, on no connection of its own
+_store_connections: set[tuple[int, int]] = set()
 # the sockets open when the group being set up now began (its store's connection included); None: none is. A peer
 # stopped before it joined holds the others inside the set-up, in a store read or a connect, where no connection
 # of a group is known yet
@@ -88,9 +92,14 @@ def track_group_sockets() -> None:
 
         @functools.wraps(rendezvous)
         def rendezvous_and_remember(*args, **kwargs):
-            _begin_setup(_socket_inodes())  # init_process_group: its store's connection comes before the group
+            before = _socket_inodes()
+            _begin_setup(before)  # init_process_group: its store's connection comes before the group
             try:
-                yield from rendezvous(*args, **kwargs)
+                for found in rendezvous(*args, **kwargs):
+                    opened = _clients_of(found[0], _connections_since(before))
+                    with _lock:
+                        _store_connections.update(opened)
+                    yield found
             except BaseException:
                 _end_setup()  # no group follows
                 raise
@@ -114,6 +123,25 @@ def track_group_sockets() -> None:
         c10d._new_process_group_helper = build_and_remember
         c10d.rendezvous = rendezvous_and_remember
         _installed = True
+
+
+def _clients_of(store: object, connections: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Those of `connections` that reach `store` (a rank that serves the store itself also holds the connections
+    it accepted from its peers: those are theirs to shut)."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    port = getattr(store, "port", None)
+    if port is None:
+        return connections
+    return {(fd, inode) for fd, inode in connections if _peer_port(fd) == port}
+
+
+def _peer_port(fd: int) -> int | None:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            return sock.getpeername()[1]
+    except (OSError, IndexError):
+        return None
 
 
 def _begin_setup(before: dict[int, int]) -> None:
@@ -183,7 +211,7 @@ def abort_all() -> int:
     global _aborts
     with _lock:
         _aborts += 1
-        connections = list(_group_connections)
+        connections = list(_group_connections | _store_connections)
         setting_up_since = _setting_up_since
     if setting_up_since is not None:  # a set-up waiting on a peer that never came: its store and its connects too
         connections += _connections_since(setting_up_since)
@@ -216,6 +244,7 @@ def destroy_all() -> None:
     with _lock:
         _group_connections.clear()
         _connections_of_group.clear()
+        _store_connections.clear()
 
 
 def forget_device_meshes() -> None:

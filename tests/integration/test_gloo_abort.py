@@ -101,7 +101,7 @@ def test_the_abort_ends_a_receive_from_a_stopped_peer():
 
 def test_the_abort_does_not_end_a_send_gloo_queued_behind_a_stopped_peer():
     output, waiting = run_pair("queued")
-    assert "aborted 1" in output, output  # its one connection was shut down
+    assert "aborted 2" in output, output  # its one connection was shut down, and its store's
     assert waiting and "raised" not in output and "returned" not in output, (
         f"gloo now ends a queued send when its connection is shut down ({output!r}): the known gap of in-process "
         "rounds is gone; say so in docs/library.md"
@@ -150,3 +150,71 @@ def test_the_abort_ends_a_set_up_that_waits_for_a_peer_that_never_came():
     for output in outputs:
         raised = [line for line in output.splitlines() if line.startswith("raised")]
         assert raised and float(raised[0].split()[1]) < 10, outputs
+
+
+STORE_SERVER = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), 2, True, timedelta(seconds=60), wait_for_workers=False)
+print("serving", flush=True)
+time.sleep(120)
+"""
+
+LATER_SETUP = """
+import os, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from elastic import process_groups
+
+process_groups.track_group_sockets()
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    time.sleep(60)  # never builds the second group
+threading.Timer(2.0, lambda: print("aborted", process_groups.abort_all(), flush=True)).start()
+began = time.monotonic()
+try:
+    dist.new_group(backend="gloo", timeout=timedelta(seconds=50))  # reads rank 1's address from the store
+    print("returned", flush=True)
+except Exception as error:
+    print("raised %.1f %s" % (time.monotonic() - began, str(error)[:60]), flush=True)
+"""
+
+
+def test_the_abort_ends_a_later_groups_set_up_that_waits_in_the_store():
+    """A node stopped as a round began, after every rank's init_process_group: the others wait in a later group's
+    set-up (a checkpoint manager's, a device mesh's), reading the stopped rank's address from the round's store,
+    over the connection init_process_group opened. The abort left that connection open, and a chaos run's
+    survivors waited 9.6 s there, until the stopped node was killed. Now the store's connection is shut down
+    too: new_group raises at once."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    ranks: list[subprocess.Popen] = []
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "serving"
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE="2",
+            TORCHELASTIC_USE_AGENT_STORE="True",  # as elastic-run's workers: the store is served apart
+            PYTHONPATH=str(REPO),
+        )
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", LATER_SETUP],
+                env=dict(env, RANK=str(rank)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        output = ranks[0].communicate(timeout=60)[0]
+    finally:
+        for process in (*ranks, server):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    raised = [line for line in output.splitlines() if line.startswith("raised")]
+    assert "aborted" in output and raised and float(raised[0].split()[1]) < 10, output
