@@ -29,7 +29,7 @@ import os, sys, threading, time
 import torch, torch.distributed as dist
 from elastic import process_groups
 
-rank, big = int(sys.argv[1]), sys.argv[2] == "queued"
+rank, big = int(os.environ["RANK"]), sys.argv[1] == "queued"
 process_groups.track_group_sockets()
 dist.init_process_group("gloo")
 tensor = torch.zeros((512 << 20) if big else 1, dtype=torch.uint8)
@@ -48,13 +48,11 @@ except RuntimeError as error:
 """
 
 
-def run_pair(kind: str) -> tuple[str, bool]:
-    """Rank 0's output, once it ended or WAITS_AFTER_ABORT_S after its abort (which comes about 2 s after its group),
-    and whether it still waited then."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", PYTHONPATH=str(REPO))
-    ranks = [
+def start_ranks(script: str, env: dict[str, str], *args: str) -> list[subprocess.Popen]:
+    """Ranks 0 and 1 running `script` with `args`, their output read from stdout."""
+    return [
         subprocess.Popen(
-            [sys.executable, "-c", RANK, str(rank), kind],
+            [sys.executable, "-c", script, *args],
             env=dict(env, RANK=str(rank)),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -62,6 +60,13 @@ def run_pair(kind: str) -> tuple[str, bool]:
         )
         for rank in (0, 1)
     ]
+
+
+def run_pair(kind: str) -> tuple[str, bool]:
+    """Rank 0's output, once it ended or WAITS_AFTER_ABORT_S after its abort (which comes about 2 s after its group),
+    and whether it still waited then."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", PYTHONPATH=str(REPO))
+    ranks = start_ranks(RANK, env, kind)
     lines: list[str] = []
     aborted_or_ended = threading.Event()
 
@@ -130,16 +135,7 @@ def test_the_abort_ends_a_set_up_that_waits_for_a_peer_that_never_came():
     there, and a chaos run's survivors were started anew 1 s later (4.1 s without training). Now the set-up's own
     connections, its store's among them, are shut down: init_process_group raises at once."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3", PYTHONPATH=str(REPO))
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", SETUP],
-            env=dict(env, RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
+    ranks = start_ranks(SETUP, env)
     try:
         outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
     finally:
@@ -200,16 +196,7 @@ def test_the_abort_ends_a_later_groups_set_up_that_waits_in_the_store():
             TORCHELASTIC_USE_AGENT_STORE="True",  # as elastic-run's workers: the store is served apart
             PYTHONPATH=str(REPO),
         )
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, "-c", LATER_SETUP],
-                env=dict(env, RANK=str(rank)),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-            for rank in (0, 1)
-        ]
+        ranks = start_ranks(LATER_SETUP, env)
         output = ranks[0].communicate(timeout=60)[0]
     finally:
         for process in (*ranks, server):
