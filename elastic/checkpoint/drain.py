@@ -2,9 +2,9 @@
 
 Before a node joins (scale-up) or an agent that was told to stop leaves, the agents write a drain number into
 each worker's channel (`elastic.channel`), and whether a snapshot in memory answers it: where the nodes that stay
-hold all of it and are enough to go on (a join; a leave that leaves at least MIN nodes, each node's part having
-reached its next node), the drain is one snapshot, with snapshots in memory on (0.16-0.21 s sooner than with a
-synchronous save to disk, at 4 ranks on 2 cores); otherwise it is saved to disk too.
+hold all of it and are enough to go on (a join; one node's leave that leaves at least MIN nodes, each node's part
+having reached its next node), the drain is one snapshot, with snapshots in memory on (0.16-0.21 s sooner than
+with a synchronous save to disk, at 4 ranks on 2 cores); otherwise it is saved to disk too.
 
 The ranks must save at the same step, and each sees the request at its own moment, so `Drains.requested` is a
 collective: every rank calls it at every step boundary (it is what `CheckpointManager.should_save` does) and they

@@ -161,7 +161,7 @@ class Controller:
                 self._request_drain(decision, view)
             case WithdrawDrain():
                 self.store.withdraw_drain(self.holder, decision.round)
-                logger.info("round %d: the change it was drained for is off; withdrawing the drain", decision.round)
+                logger.info("round %d: %s; withdrawing the drain", decision.round, decision.why)
             case ForgetLeft():
                 self.store.forget_left(self.holder, decision.nodes)
             case EndJob():

@@ -155,9 +155,11 @@ class RequestDrain:
 
 @dataclass(frozen=True)
 class WithdrawDrain:
-    """The change a drain was asked for is off (the joiner went away): the drained workers train on."""
+    """The change a drain was asked for is off (the joiner went away): the drained workers train on. Or the drain
+    was asked in memory and memory no longer holds what the change needs: it is asked again, to disk."""
 
     round: int
+    why: str = "the change it was drained for is off"
 
 
 @dataclass(frozen=True)
@@ -443,16 +445,21 @@ def _leaving_members(
     view: JobView, round_: RoundRecord, clock: Clock, now: float, settings: Settings
 ) -> Decision | None:
     """Rule 5: a member that announced it is leaving has its round drained, then is waited for until
-    close_timeout and evicted after it."""
+    close_timeout and evicted after it. The drain is answered in memory where one member leaves and the others
+    are enough to go on: each node's part of a snapshot is copied to the next node only, so the part of one of
+    two leaving neighbours would leave with the other; and a job that falls below MIN may end with the nodes
+    that stay. A drain asked in memory whose premise went (a second member announced it leaves) is withdrawn,
+    and asked again to disk."""
     leaving = [m for m in round_.members if _leaving(view, m.node, m.incarnation)]
     if not leaving:
         return None
-    if settings.drain_timeout and round_.round not in view.drains:
-        staying = len(round_.members) - len(leaving)
-        # the leaving agent waits for it
-        return RequestDrain(
-            round=round_.round, reason=RoundReason.NODE_LEFT.value, in_memory=staying >= settings.min_nodes
-        )
+    if settings.drain_timeout:
+        in_memory = len(leaving) == 1 and len(round_.members) - 1 >= settings.min_nodes
+        asked = view.drains.get(round_.round)
+        if asked is None:  # the leaving agent waits for it
+            return RequestDrain(round=round_.round, reason=RoundReason.NODE_LEFT.value, in_memory=in_memory)
+        if asked.in_memory and not in_memory:
+            return WithdrawDrain(round=round_.round, why="more than one member leaves: draining to disk instead")
     return _evict_after_close_timeout(
         leaving,
         _set(clock.leaving_since),

@@ -188,13 +188,23 @@ def test_a_leaving_member_drains_the_round_and_a_drain_whose_change_is_off_is_wi
 
 
 def test_a_leaving_members_drain_is_answered_in_memory_where_those_that_stay_go_on():
-    """Those that stay hold every part of the snapshot (each node's next holds a copy of its part): in memory, if
-    they are enough to go on; otherwise the job may end with them, and the drain goes to disk."""
-    job = view("a", "b", "c", round_of=("a", "b", "c"), acked={"a", "b", "c"})
+    """One member leaving: the others hold every part of the snapshot (each node's next holds a copy of its part),
+    in memory, if they are enough to go on. Two leaving: the part of one may leave with the other, and the job
+    may end: to disk. A drain asked in memory before the second announced it is withdrawn, then asked to disk."""
+    job = view("a", "b", "c", "d", round_of=("a", "b", "c", "d"), acked={"a", "b", "c", "d"})
     job.left["c"] = LeaveRecord(node="c", incarnation=1, reason="agent received SIGTERM")
     assert at(job, T0, T0, DRAINING) == RequestDrain(0, "node_left", in_memory=True)
-    job.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
-    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "node_left", in_memory=False), "a alone: fewer than MIN"
+    job.drains[0] = DrainRequest(round=0, number=7, reason="node_left", in_memory=True)
+    job.left["d"] = LeaveRecord(node="d", incarnation=1, reason="agent received SIGTERM")
+    withdrawn = at(job, T0, T0, DRAINING)
+    assert isinstance(withdrawn, WithdrawDrain) and withdrawn.round == 0
+    del job.drains[0]
+    assert at(job, T0, T0, DRAINING) == RequestDrain(0, "node_left", in_memory=False), "two leave: to disk"
+    job.drains[0] = DrainRequest(round=0, number=8, reason="node_left", in_memory=False)
+    assert not isinstance(at(job, T0, T0, DRAINING), (WithdrawDrain, RequestDrain)), "asked to disk: kept"
+    two = view("a", "b", round_of=("a", "b"), acked={"a", "b"})
+    two.left["b"] = LeaveRecord(node="b", incarnation=1, reason="agent received SIGTERM")
+    assert at(two, T0, T0, DRAINING) == RequestDrain(0, "node_left", in_memory=False), "a alone: fewer than MIN"
 
 
 def test_members_that_never_start_the_round_are_evicted_after_close_timeout():
