@@ -686,7 +686,8 @@ class ControllerStore(JobStore):
         """Ask the round's workers to checkpoint and wait (a drain_requested event with it)."""
         key = self.keys.drain(request.round)
         _, event_put = self._event(
-            new_event("drain_requested", round=request.round, reason=request.reason), holder.node
+            new_event("drain_requested", round=request.round, reason=request.reason, in_memory=request.in_memory),
+            holder.node,
         )
         compare = [self._holds_controller(holder), self._round_unchanged(round_revision)]
         return self._commit(compare, [self._tx.put(key, request.dumps()), event_put], key)

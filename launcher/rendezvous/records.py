@@ -403,6 +403,7 @@ class MembershipEvent(BaseModel):
     last_step: int | None = None  # worker_hung, workers_stalled: the last step reported
     # drain_committed: the step the workers checkpointed before the change; training_progress: the newest step
     step: int | None = None
+    in_memory: bool | None = None  # drain_requested: a snapshot in memory answers it (else it goes to disk too)
     # round_started: each member of the last round not in this one, and the newcomer (a spare) in its place
     replaced: list[dict] | None = None
     # workers_started: this node's workers handed the round in process (elastic.run), and those started anew;

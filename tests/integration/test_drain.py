@@ -74,7 +74,7 @@ def test_a_scale_up_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
 
     rounds = assert_nothing_redone(tmp_path, steps, cluster)
     drained = cluster.events("drain_committed")
-    assert [e["reason"] for e in cluster.events("drain_requested")] == ["scale_up"]
+    assert [(e["reason"], e["in_memory"]) for e in cluster.events("drain_requested")] == [("scale_up", True)]
     assert len(drained) == 1 and drained[0]["step"] == max(rounds[0]), "round 1 went on from the drain's step"
     on_disk = [entry.step for entry in scan(tmp_path / "ckpt") if entry.committed]
     assert drained[0]["step"] not in on_disk, "every node stays: a snapshot in memory answers the drain"
@@ -95,7 +95,7 @@ def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster,
         assert agent.wait(timeout=180) == 0, cluster.dump()
 
     rounds = assert_nothing_redone(tmp_path, steps, cluster)
-    assert [e["reason"] for e in cluster.events("drain_requested")] == ["node_left"]
+    assert [(e["reason"], e["in_memory"]) for e in cluster.events("drain_requested")] == [("node_left", True)]
     drained = cluster.events("drain_committed")
     assert len(drained) == 1 and drained[0]["step"] == max(rounds[0]), f"{cluster.log()}\n{cluster.dump()}"
     on_disk = [entry.step for entry in scan(tmp_path / "ckpt") if entry.committed]
@@ -134,3 +134,20 @@ def test_an_agent_told_to_stop_whose_worker_cannot_drain_leaves_at_once(cluster,
     trained = set().union(*rounds.values())
     assert trained == set(range(1, steps + 1)), f"steps skipped: {sorted(set(range(1, steps + 1)) - trained)}"
     print(f"\nSIGTERM to one of 3 whose worker was stopped: it left after {left_s:.1f}s")
+
+
+def test_every_agent_told_to_stop_at_once_drains_to_disk_so_the_next_launch_resumes_there(cluster, tmp_path):
+    """A Slurm time limit (`--signal=B:TERM@180`) or a whole-job preemption SIGTERMs every node. No node stays to
+    hold a snapshot in memory, so the drain goes to disk, and the next launch resumes at the last step trained."""
+    steps = 400  # far more than the run gets to: it ends by the signals
+    agents, _ = start_training(cluster, tmp_path, "abc", steps)
+    for agent in agents:
+        os.kill(agent.pid, signal.SIGTERM)
+    for agent in agents:
+        assert agent.wait(timeout=90) == 128 + signal.SIGTERM, cluster.dump()
+
+    trained = max(max(steps_of_round) for steps_of_round in steps_by_round(tmp_path / "samples.jsonl").values())
+    committed = [entry.step for entry in scan(tmp_path / "ckpt") if entry.committed]
+    asked = cluster.events("drain_requested")
+    assert {e["reason"] for e in asked} == {"node_left"} and not asked[-1]["in_memory"], cluster.log()
+    assert max(committed) == trained, f"last step trained {trained}, newest on disk {committed}\n{cluster.log()}"
