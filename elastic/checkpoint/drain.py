@@ -35,8 +35,8 @@ _WITHDRAWN_POLL_S = 0.05
 
 @dataclass(frozen=True)
 class Drain:
-    """A drain the ranks agreed on: its number (0: none), and whether its checkpoint must reach disk (a node
-    leaves, its memory with it) or a snapshot in memory answers it (a node joins)."""
+    """A drain the ranks agreed on: its number (0: none), and whether its checkpoint must reach disk (the nodes
+    that stay might not hold all of a snapshot, or might not go on) or a snapshot in memory answers it."""
 
     number: int
     to_disk: bool

@@ -176,9 +176,10 @@ class CheckpointManager:
 
     def should_save(self, step: int) -> bool:
         """Whether to save at ``step``: on the ``every`` schedule, or when elastic-run asks for a drain before a
-        planned change (drain.py), to disk; on the ``memory_every`` schedule, into memory (memory.py), and
-        that too at a disk step saved asynchronously (until its commit, the snapshot is the newest state) and at
-        a drain's (the next round loads it at once, from memory faster than from disk).
+        planned change (drain.py), to disk, unless a snapshot in memory answers the drain; on the ``memory_every``
+        schedule, into memory (memory.py), and that too at a disk step saved asynchronously (until its commit, the
+        snapshot is the newest state) and at a drain's (the next round loads it at once, from memory faster than
+        from disk).
         A collective: call it on every rank at every step, as in ``if mgr.should_save(step): mgr.save(step, state)``."""
         self._ensure_open()
         drain = self._drains.requested()

@@ -148,8 +148,8 @@ class RequestDrain:
 
     round: int
     reason: str  # scale_up or node_left
-    # whether a snapshot in memory answers it: every node stays (a join), or those that stay are enough to go on,
-    # and each holds the next copy of the leaving node's part; else it is saved to disk too
+    # whether a snapshot in memory answers it: every node stays (a join), or one member leaves, its next node holds
+    # the copy of its part, and those that stay are enough to go on; else it is saved to disk too
     in_memory: bool = False
 
 

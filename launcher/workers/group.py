@@ -347,7 +347,7 @@ class WorkerGroup:
 
     def request_drain(self, number: int, in_memory: bool = False) -> None:
         """Ask the workers to checkpoint at their next step and wait there (0: withdraw the request); `in_memory`:
-        a snapshot in memory is checkpoint enough (every node stays, and its memory with it)."""
+        a snapshot in memory is checkpoint enough (the nodes that stay hold all of it)."""
         self.watchdog.request_drain(number, in_memory)
 
     def drain_answer(self, number: int) -> DrainReport | None:
