@@ -175,7 +175,7 @@ def copies_in_and_out_of_the_context(rank: int, world_size: int) -> dict[str, An
         source, _ = sharded(seed=0)
         target, optimizer = sharded(seed=1)
         ModelState(target).load_state_dict({"model": source.state_dict()})
-        loaded = [local for local in local_copies]
+        loaded = list(local_copies)
         mesh = target[0].weight.device_mesh
         full = torch.arange(12.0).reshape(4, 3)
         sharded_target = distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)])
