@@ -11,7 +11,8 @@ gloo connects its full mesh there) are remembered by descriptor and inode. NCCL 
 with torch's own `_abort_process_group`. A set-up still in progress (a peer stopped before it joined, so the others
 wait in a store read or a connect) has its connections shut down too: those opened since it began; and so has
 the connection of `init_process_group`'s store, in which every later group's set-up reads its peers' addresses
-(a set-up whose store's host was stopped waits there, on none of its own).
+(a set-up whose store's host was stopped waits there, on none of its own). Making that store's client is the one
+set-up no shutdown ends (TCPStore retries the connection): `connecting_to_store` says when a worker is there.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import socket
 import stat
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ _store_connections: set[tuple[int, int]] = set()
 # stopped before it joined holds the others inside the set-up, in a store read or a connect, where no connection
 # of a group is known yet
 _setting_up_since: dict[int, int] | None = None
+_connecting = False  # init_process_group is inside torch's rendezvous, making its store's client
 _installed = False
 _aborts = 0  # abort_all calls so far
 
@@ -92,13 +94,18 @@ def track_group_sockets() -> None:
 
         @functools.wraps(rendezvous)
         def rendezvous_and_remember(*args, **kwargs):
-            before = _socket_inodes()
+            before, since = _socket_inodes(), _aborts
             _begin_setup(before)  # init_process_group: its store's connection comes before the group
             try:
-                for found in rendezvous(*args, **kwargs):
+                for found in _connecting_to_store(rendezvous(*args, **kwargs)):
                     opened = _clients_of(found[0], _connections_since(before))
                     with _lock:
                         _store_connections.update(opened)
+                    if _aborts != since:  # a retry reached the store after the abort: the round's peers left
+                        raise GroupsAborted(
+                            "init_process_group: its store answered only after this process's groups were aborted "
+                            "for a new round, whose peers are elsewhere"
+                        )
                     yield found
             except BaseException:
                 _end_setup()  # no group follows
@@ -123,6 +130,27 @@ def track_group_sockets() -> None:
         c10d._new_process_group_helper = build_and_remember
         c10d.rendezvous = rendezvous_and_remember
         _installed = True
+
+
+def _connecting_to_store(found_stores: Iterator[tuple]) -> Iterator[tuple]:
+    """`found_stores`, with `connecting_to_store()` true while the next is being made."""
+    global _connecting
+    while True:
+        _connecting = True
+        try:
+            found = next(found_stores, None)
+        finally:
+            _connecting = False
+        if found is None:
+            return
+        yield found
+
+
+def connecting_to_store() -> bool:
+    """Whether init_process_group is connecting to its store. A TCPStore client retries a failed connection until
+    the set-up's timeout (30 minutes by default), whatever the abort shut down: a round's store whose host was
+    stopped holds its peers there, answering their connects from its listen queue but never their handshake."""
+    return _connecting
 
 
 def _clients_of(store: object, connections: set[tuple[int, int]]) -> set[tuple[int, int]]:
@@ -240,6 +268,9 @@ def destroy_all() -> None:
             dist.destroy_process_group()
         except Exception as exc:  # the groups are broken on purpose; what is left is freed with them
             logger.debug("destroying the aborted process groups failed: %s", exc)
+    # a set-up that failed had named its group already: torch resets the count only with a world it destroys, and a
+    # rank that re-enters with a count one higher builds "1", where its fresh peers wait in "0", and never meets them
+    c10d._world.group_count = 0
     _end_setup()
     with _lock:
         _group_connections.clear()

@@ -25,12 +25,13 @@ to `ELASTIC_ROUND_WAIT` seconds (elastic-run sets it: the lease plus --inprocess
 replaces the lost peer, and raises the error only if none comes. Other exceptions (`ValueError`, a bug) end
 the worker at once, as without `run`. The agent kills a worker that has not re-entered within
 --inprocess-timeout and starts its rank anew; a crashed or hung worker is always replaced by a new process.
-One wait no abort ends is known: a send gloo queued behind a peer that stopped reading
-(`tests/integration/test_gloo_abort.py`), and a receive whose message had begun when the connection ended. A
-worker whose main thread still sits there (inside torch.distributed, at one instruction, in a futex wait) once
-gloo closed every connection of its groups, or `STUCK_AFTER_S` after its abort whatever the connections, dumps its
-stacks and exits with `UNWIND_STUCK_EXIT`, and its agent starts the rank anew in the same round, without waiting
-out the timeout.
+Two waits no abort ends are known: a send gloo queued behind a peer that stopped reading
+(`tests/integration/test_gloo_abort.py`), and a receive whose message had begun when the connection ended; and
+init_process_group connecting to a store whose host stopped (TCPStore's client retries until the set-up's
+timeout). A worker whose main thread still sits there (inside torch.distributed, at one instruction, in a futex
+wait, once gloo closed every connection of its groups, or `STUCK_AFTER_S` after its abort whatever the
+connections; or in that connect `STUCK_AFTER_S` after its abort) dumps its stacks and exits with
+`UNWIND_STUCK_EXIT`, and its agent starts the rank anew in the same round, without waiting out the timeout.
 
 A node that joins a job already training starts its workers before it registers, in standby
 (`ELASTIC_STANDBY`): the script runs up to `run`, which tells the agent it is ready and waits for the round that
@@ -83,6 +84,10 @@ STILL_BLOCKED = (
 )
 BLOCKED_ON_CLOSED = (
     "though gloo closed every connection of its groups (a send or receive it lost track of, which nothing ends)"
+)
+CONNECTING_TO_STORE = (
+    "connecting to its store (a TCPStore client retries until the set-up's timeout, which no abort shortens: the "
+    "store's host stopped, or the last round's store closed)"
 )
 UNWIND_STUCK_EXIT = 75  # the worker could not unwind and left for its agent to start its rank anew (EX_TEMPFAIL)
 READY_MESSAGE = b'{"ready": true}'  # a standby worker's word to its agent: it reached `run`
@@ -168,16 +173,21 @@ class RoundLink:
         """Leave at once (`UNWIND_STUCK_EXIT`) if the main thread stays blocked where the abort cannot reach: as soon
         as gloo closed every connection of its groups while main still waits inside torch.distributed (nothing is
         left that could end that wait), or, whatever the connections, `STUCK_AFTER_S` after the abort for `offer`
-        returned; otherwise the agent's --inprocess-timeout stays the judge."""
+        returned, as when init_process_group still connects to its store then; otherwise the agent's
+        --inprocess-timeout stays the judge."""
         from elastic import process_groups
 
         deadline = time.monotonic() + STUCK_AFTER_S
+        where: str | None
         while True:
             with self._arrived:
                 if self._arrived.wait_for(lambda: self._offer is not offer, CLOSED_POLL_S):
                     return  # main took it (or a newer round's offer replaced it, followed on its own)
             if time.monotonic() >= deadline:
-                where, why = _blocked_in_torch_distributed(), STILL_BLOCKED
+                if process_groups.connecting_to_store():
+                    where, why = "init_process_group's rendezvous", CONNECTING_TO_STORE
+                else:
+                    where, why = _blocked_in_torch_distributed(), STILL_BLOCKED
                 break
             if process_groups.connections_closed():
                 where, why = _blocked_in_torch_distributed(STUCK_LOOKS, CLOSED_LOOK_S), BLOCKED_ON_CLOSED

@@ -205,3 +205,117 @@ def test_the_abort_ends_a_later_groups_set_up_that_waits_in_the_store():
             process.wait()
     raised = [line for line in output.splitlines() if line.startswith("raised")]
     assert "aborted" in output and raised and float(raised[0].split()[1]) < 10, output
+
+
+CONNECT = """
+import os, signal, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from elastic import process_groups
+
+store_host = int(sys.argv[1])
+
+def abort_then_resume_the_host():
+    print("connecting", process_groups.connecting_to_store(), flush=True)
+    print("aborted", process_groups.abort_all(), flush=True)
+    time.sleep(0.2)
+    os.kill(store_host, signal.SIGCONT)  # TCPStore's next try reaches it
+
+process_groups.track_group_sockets()
+threading.Timer(2.0, abort_then_resume_the_host).start()
+began = time.monotonic()
+try:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=50))  # rank 1 never comes
+    print("returned", flush=True)
+except Exception as error:
+    print("raised %.1f %s %s" % (time.monotonic() - began, type(error).__name__, str(error)[:60]), flush=True)
+print("connecting", process_groups.connecting_to_store(), flush=True)
+"""
+
+
+def test_a_set_up_connecting_to_a_stopped_store_is_known_and_does_not_go_on_once_aborted():
+    """The round's store's host stopped: init_process_group waits in TCPStore's client, whose retries the abort does
+    not end (`elastic.rounds` lets such a worker leave, knowing it by `connecting_to_store`). Should a retry reach
+    the store after the abort all the same, the set-up must not go on to build a group whose peers left: it
+    waited there for the set-up's timeout."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    rank: subprocess.Popen | None = None
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "serving"
+        os.kill(server.pid, signal.SIGSTOP)
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE="2",
+            RANK="0",
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            PYTHONPATH=str(REPO),
+        )
+        rank = subprocess.Popen(
+            [sys.executable, "-c", CONNECT, str(server.pid)], env=env, stdout=subprocess.PIPE, text=True
+        )
+        output = rank.communicate(timeout=60)[0]
+    finally:
+        for process in (rank, server):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    lines = output.splitlines()
+    assert lines[0] == "connecting True", output
+    raised = [line.split() for line in lines if line.startswith("raised")]
+    assert raised and float(raised[0][1]) < 10 and raised[0][2] == "GroupsAborted", output
+    assert lines[-1] == "connecting False", output
+
+
+AGAIN = """
+import os, sys, threading, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from elastic import process_groups
+
+process_groups.track_group_sockets()
+if sys.argv[1] == "re-entering":  # its first round's set-up fails: a world of 3 whose rank 2 never comes
+    threading.Timer(1.0, process_groups.abort_all).start()
+    try:
+        dist.init_process_group("gloo", world_size=3, timeout=timedelta(seconds=50))
+    except Exception:
+        pass
+    process_groups.destroy_all()
+    os.environ["MASTER_PORT"] = sys.argv[2]
+dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+total = torch.ones(1)
+dist.all_reduce(total)
+print("sum", int(total.item()), flush=True)
+"""
+
+
+def test_a_rank_whose_set_up_failed_meets_a_fresh_peer_in_the_next_round():
+    """torch names a world group by a count it resets only when a world is destroyed. A rank whose
+    init_process_group failed (aborted for a new round) named "1" its next world, and a rank started anew for that
+    round waited in "0": neither saw the other's address, and both waited for the set-up's timeout."""
+    first, second = free_port(), free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", WORLD_SIZE="2", PYTHONPATH=str(REPO))
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", AGAIN, "re-entering", str(second)],
+            env=dict(env, RANK="0", MASTER_PORT=str(first)),
+            stdout=subprocess.PIPE,
+            text=True,
+        ),
+        subprocess.Popen(
+            [sys.executable, "-c", AGAIN, "new"],
+            env=dict(env, RANK="1", MASTER_PORT=str(second)),
+            stdout=subprocess.PIPE,
+            text=True,
+        ),
+    ]
+    try:
+        outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.wait()
+    assert outputs == ["sum 2\n", "sum 2\n"], outputs

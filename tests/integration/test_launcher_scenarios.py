@@ -265,6 +265,51 @@ def test_a_node_stopped_as_a_new_round_starts_is_found_by_its_peers_stall(cluste
     assert lost[0]["time"] - stopped_at < 6, "found by a probe, not when its 10 s lease ended"
 
 
+def test_the_rounds_store_host_stopped_as_a_round_starts_holds_its_peers_less_than_a_second(cluster):
+    """A worker crashes, and as the new round starts its store's host (group rank 0's agent serves it) is
+    SIGSTOPped. Its listen queue still accepts the survivors' connections, but nothing answers their handshake, and
+    TCPStore's client retries until init_process_group's timeout (30 min): no abort ends that, so they waited out
+    --inprocess-timeout (10 s). A worker whose set-up failed had also named its group already ("1", where a fresh
+    peer builds "0"), so the round's re-entered and new workers never met, and a CI run timed out. Now a worker
+    still connecting half a second after the abort leaves to be started anew, and the group count is reset."""
+    probe = cluster.probe(60, 0.1, "--inprocess")
+    restarts = ["--max-restarts", "1"]  # the crash's
+    agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=LONG_LEASE, extra=restarts) for n in ("a", "b", "c")}
+    full = cluster.wait_for_world(6, timeout=90)
+    host = next(m["node"] for m in cluster.events("round_started")[-1]["members"] if m["group_rank"] == 0)
+    crashed = next(n for n in agents if n != host)
+    victim = agents.pop(host)
+    rounds = victim.log_dir / host
+    stopped: list[int] = []
+    try:
+        os.kill(children(agents[crashed].pid)[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not any(int(d.name.split("_")[1]) > full["round"] for d in rounds.glob("attempt_*")):
+            assert time.monotonic() < deadline, f"{host} set up no round after the crash\n{cluster.dump()}"
+            time.sleep(0.002)
+        stopped_at = time.time()
+        stopped = [victim.pid, *descendant_pids(victim.pid)]
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        again = cluster.wait_for_world(4, timeout=60, after=stopped_at)
+        cluster.stop_training()
+        for agent in agents.values():
+            assert agent.wait(timeout=90) == 0, cluster.dump()
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    outputs = "".join(agent.text() for agent in agents.values())
+    left = outputs.count("could not unwind")
+    print(
+        f"\nstore host {host} stopped: {left} worker(s) left to be started anew; world 4 "
+        f"{again['time'] - stopped_at:.2f}s"
+    )
+    assert "did not re-enter within" not in outputs, "no survivor waited out --inprocess-timeout"
+    assert again["time"] - stopped_at < 8, "the survivors met long before --inprocess-timeout (10 s) would end a wait"
+
+
 def test_node_added_mid_run_joins_a_six_worker_round(cluster):
     probe = cluster.probe(400, 0.1)
     first = [cluster.start(n, probe, nnodes="2:3") for n in ("a", "b")]
