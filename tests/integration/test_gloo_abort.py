@@ -216,13 +216,17 @@ from elastic import process_groups
 store_host = int(sys.argv[1])
 
 def abort_then_resume_the_host():
+    deadline = time.monotonic() + 30
+    while not process_groups.connecting_to_store() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # in TCPStore's handshake, which the stopped host never answers
     print("connecting", process_groups.connecting_to_store(), flush=True)
     print("aborted", process_groups.abort_all(), flush=True)
     time.sleep(0.2)
     os.kill(store_host, signal.SIGCONT)  # TCPStore's next try reaches it
 
 process_groups.track_group_sockets()
-threading.Timer(2.0, abort_then_resume_the_host).start()
+threading.Thread(target=abort_then_resume_the_host).start()
 began = time.monotonic()
 try:
     dist.init_process_group("gloo", timeout=timedelta(seconds=50))  # rank 1 never comes
@@ -277,11 +281,20 @@ from elastic import process_groups
 
 process_groups.track_group_sockets()
 if sys.argv[1] == "re-entering":  # its first round's set-up fails: a world of 3 whose rank 2 never comes
-    threading.Timer(1.0, process_groups.abort_all).start()
+    failed = threading.Event()
+
+    def abort_until_it_failed():  # an abort before the set-up began ends nothing: on a loaded machine it may
+        while not failed.wait(0.3):
+            process_groups.abort_all()
+
+    aborter = threading.Thread(target=abort_until_it_failed)
+    aborter.start()
     try:
         dist.init_process_group("gloo", world_size=3, timeout=timedelta(seconds=50))
     except Exception:
         pass
+    failed.set()
+    aborter.join()
     process_groups.destroy_all()
     os.environ["MASTER_PORT"] = sys.argv[2]
 dist.init_process_group("gloo", timeout=timedelta(seconds=20))
