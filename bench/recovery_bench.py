@@ -518,9 +518,11 @@ def world_after(fault: str) -> int:
     return FULL_WORLD if fault == "crash" else SMALL_WORLD
 
 
-def membership_events(job: Job, fault_time: float, world_size: int, wait_s: float = 3.0) -> list[dict]:
+def membership_events(
+    job: Job, fault_time: float, world_size: int, wait_s: float = 3.0, survivor: int = 0
+) -> list[dict]:
     """A survivor's membership.jsonl events after the fault; waits for its mirror (every 0.5 s) to catch up."""
-    path = job.log_dir(0) / "membership.jsonl"
+    path = job.log_dir(survivor) / "membership.jsonl"
     deadline = time.monotonic() + wait_s
     while True:
         events = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []

@@ -12,8 +12,9 @@ machine:
   1. start a fresh etcd and 3 agents ("nodes") x 2 workers, --nnodes 2:3, --max-restarts 3, lease 1 s x 3
      (2 agents for scale-up);
   2. wait until the world has trained --fault-step steps (every rank logged the step);
-  3. fault the LAST node (never node 0, round 0's rank 0):
+  3. fault the LAST node (never node 0, round 0's rank 0), but for kill-controller:
        kill      SIGKILL its agent and every process under it (a dead host);
+       kill-controller  the same on node 0, the controller's node and the round's store's host;
        stop      SIGSTOP the same (a hung host: only its lease running out tells);
        crash     SIGKILL one of its workers (the agent restarts the round);
        hang      SIGSTOP one of its workers (its agent lives; the progress watchdog, set to 5 s for this fault,
@@ -79,9 +80,13 @@ TINY_MODEL = ["--seq-len", "16", "--n-layer", "1", "--n-head", "2", "--d-model",
 CKPT_EVERY = 50
 # far more than a scenario trains: the job must still be training when recovery is measured, and is then killed
 STEPS = 100_000
+# started first, it holds the controller key, round 0's group rank 0 and so the round's store: its peers find it
+# gone (the controller's own probe cannot), and a standby takes the key before the round without it forms
+CONTROLLER_NODE = 0
 
 FAULTS = {
     "kill": "node SIGKILL",
+    "kill-controller": "node0 SIGKILL",
     "stop": "node SIGSTOP",
     "crash": "worker SIGKILL",
     "hang": "worker SIGSTOP",
@@ -190,10 +195,16 @@ def signal_worker(job: Job, node: int, signum: int) -> float:
     return fault_time
 
 
+def faulted_node(fault: str) -> int:
+    return CONTROLLER_NODE if fault == "kill-controller" else FAULTED_NODE
+
+
 def apply_fault(job: Job, fault: str, rdzv_id: str, variant: str) -> float:
-    """Fault the last node; returns the time of the fault."""
+    """Fault the last node (node 0 for kill-controller); returns the time of the fault."""
     if fault == "kill":
         return job.hit(FAULTED_NODE, signal.SIGKILL)
+    if fault == "kill-controller":
+        return job.hit(CONTROLLER_NODE, signal.SIGKILL)
     if fault == "stop":
         return job.hit(FAULTED_NODE, signal.SIGSTOP)
     if fault == "crash":
@@ -323,7 +334,8 @@ def run_scenario(fault: str, variant: str, args: argparse.Namespace) -> Result:
         )
         fault_time = apply_fault(job, fault, rdzv_id, variant)
         first = wait_for_recovery(log, job, fault_time, round_at_fault, args.deadline)
-        events = membership_events(job, fault_time, first.world_size if first else 0, wait_s=1.0)
+        survivor = 1 if faulted_node(fault) == 0 else 0
+        events = membership_events(job, fault_time, first.world_size if first else 0, wait_s=1.0, survivor=survivor)
         for event in events:
             logger.info("    %s", describe_event(event, fault_time))
         if first is None:
@@ -434,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for fault in args.faults:
             for variant in args.variants:
-                logger.info("%s, %s (%s) on node%d of %d:", variant, fault.upper(), FAULTS[fault], FAULTED_NODE, NODES)
+                node = faulted_node(fault)
+                logger.info("%s, %s (%s) on node%d of %d:", variant, fault.upper(), FAULTS[fault], node, NODES)
                 result = run_scenario(fault, variant, args)
                 logger.info("  -> %s; %s", cell(result, args.deadline), result.note)
                 results.append(result)
