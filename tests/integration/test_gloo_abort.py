@@ -62,6 +62,17 @@ def start_ranks(script: str, env: dict[str, str], *args: str) -> list[subprocess
     ]
 
 
+def outputs_of(ranks: list[subprocess.Popen]) -> list[str]:
+    """Each rank's output once it ended; any left after 60 s is killed, and every one is reaped."""
+    try:
+        return [rank.communicate(timeout=60)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.wait()
+
+
 def run_pair(kind: str) -> tuple[str, bool]:
     """Rank 0's output, once it ended or WAITS_AFTER_ABORT_S after its abort (which comes about 2 s after its group),
     and whether it still waited then."""
@@ -136,13 +147,7 @@ def test_the_abort_ends_a_set_up_that_waits_for_a_peer_that_never_came():
     connections, its store's among them, are shut down: init_process_group raises at once."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3", PYTHONPATH=str(REPO))
     ranks = start_ranks(SETUP, env)
-    try:
-        outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-            rank.wait()
+    outputs = outputs_of(ranks)
     for output in outputs:
         raised = [line for line in output.splitlines() if line.startswith("raised")]
         assert raised and float(raised[0].split()[1]) < 10, outputs
@@ -324,11 +329,5 @@ def test_a_rank_whose_set_up_failed_meets_a_fresh_peer_in_the_next_round():
             text=True,
         ),
     ]
-    try:
-        outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-            rank.wait()
+    outputs = outputs_of(ranks)
     assert outputs == ["sum 2\n", "sum 2\n"], outputs

@@ -213,19 +213,19 @@ def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
     assert cluster.events("job_finished")
 
 
-@pytest.mark.parametrize("inprocess", [False, True], ids=["restarted", "in-process"])
-def test_a_node_stopped_as_a_new_round_starts_is_found_by_its_peers_stall(cluster, inprocess):
-    """A worker crashes, and as the new round starts (the victim's agent has set up the round's channels) a node is
-    SIGSTOPped. The survivors' workers wait for its workers in the round's set-up, before any heartbeat in the
-    round, where no step pace judges them: only the lease's end found it (2.4-3.1 s with a 3 s lease, 10 s here).
-    A start-up that has waited idle for half a second is a stall: their agents report it, and the controller's
-    probe finds the stopped node."""
+def start_three_for_a_crash(cluster, inprocess: bool) -> tuple[dict, dict]:
+    """Agents a, b and c (probe workers, a 10 s lease, one restart for the crash to come), and the first
+    collective of their world of 6."""
     probe = cluster.probe(60, 0.1, *(["--inprocess"] if inprocess else []))
-    restarts = ["--max-restarts", "1"]  # the crash's
+    restarts = ["--max-restarts", "1"]
     agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=LONG_LEASE, extra=restarts) for n in ("a", "b", "c")}
-    full = cluster.wait_for_world(6, timeout=90)
-    controller = cluster.controller()
-    victim_id = next(n for n in reversed(agents) if n != controller)
+    return agents, cluster.wait_for_world(6, timeout=90)
+
+
+def crash_then_stop_as_the_next_round_starts(cluster, agents: dict, full: dict, victim_id: str) -> tuple[float, dict]:
+    """Crash a worker of a node other than `victim_id`, SIGSTOP the victim's whole tree as soon as its agent set up
+    the next round, let the others train in a world of 4 and finish (the victim leaves `agents`). Returns when the
+    victim was stopped and the first collective at world 4."""
     crashed = next(n for n in agents if n != victim_id)
     victim = agents.pop(victim_id)
     rounds = victim.log_dir / victim_id
@@ -249,6 +249,20 @@ def test_a_node_stopped_as_a_new_round_starts_is_found_by_its_peers_stall(cluste
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    return stopped_at, again
+
+
+@pytest.mark.parametrize("inprocess", [False, True], ids=["restarted", "in-process"])
+def test_a_node_stopped_as_a_new_round_starts_is_found_by_its_peers_stall(cluster, inprocess):
+    """A worker crashes, and as the new round starts (the victim's agent has set up the round's channels) a node is
+    SIGSTOPped. The survivors' workers wait for its workers in the round's set-up, before any heartbeat in the
+    round, where no step pace judges them: only the lease's end found it (2.4-3.1 s with a 3 s lease, 10 s here).
+    A start-up that has waited idle for half a second is a stall: their agents report it, and the controller's
+    probe finds the stopped node."""
+    agents, full = start_three_for_a_crash(cluster, inprocess)
+    controller = cluster.controller()
+    victim_id = next(n for n in reversed(agents) if n != controller)
+    stopped_at, again = crash_then_stop_as_the_next_round_starts(cluster, agents, full, victim_id)
 
     lost = cluster.events("node_lost")
     assert [e["node"] for e in lost] == [victim_id] and PROBE_MISSED.fullmatch(lost[0]["reason"]), lost
@@ -272,33 +286,9 @@ def test_the_rounds_store_host_stopped_as_a_round_starts_holds_its_peers_less_th
     --inprocess-timeout (10 s). A worker whose set-up failed had also named its group already ("1", where a fresh
     peer builds "0"), so the round's re-entered and new workers never met, and a CI run timed out. Now a worker
     still connecting half a second after the abort leaves to be started anew, and the group count is reset."""
-    probe = cluster.probe(60, 0.1, "--inprocess")
-    restarts = ["--max-restarts", "1"]  # the crash's
-    agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=LONG_LEASE, extra=restarts) for n in ("a", "b", "c")}
-    full = cluster.wait_for_world(6, timeout=90)
+    agents, full = start_three_for_a_crash(cluster, inprocess=True)
     host = next(m["node"] for m in cluster.events("round_started")[-1]["members"] if m["group_rank"] == 0)
-    crashed = next(n for n in agents if n != host)
-    victim = agents.pop(host)
-    rounds = victim.log_dir / host
-    stopped: list[int] = []
-    try:
-        os.kill(children(agents[crashed].pid)[0], signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while not any(int(d.name.split("_")[1]) > full["round"] for d in rounds.glob("attempt_*")):
-            assert time.monotonic() < deadline, f"{host} set up no round after the crash\n{cluster.dump()}"
-            time.sleep(0.002)
-        stopped_at = time.time()
-        stopped = [victim.pid, *descendant_pids(victim.pid)]
-        for pid in stopped:
-            os.kill(pid, signal.SIGSTOP)
-        again = cluster.wait_for_world(4, timeout=60, after=stopped_at)
-        cluster.stop_training()
-        for agent in agents.values():
-            assert agent.wait(timeout=90) == 0, cluster.dump()
-    finally:
-        for pid in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    stopped_at, again = crash_then_stop_as_the_next_round_starts(cluster, agents, full, host)
 
     outputs = "".join(agent.text() for agent in agents.values())
     left = outputs.count("could not unwind")
