@@ -236,9 +236,8 @@ class WorkerGroup:
         now = time.time()
         # a worker handed this round in process is `_follow_reentries`' until it re-entered or its exit was seen
         # there: one that left with UNWIND_STUCK_EXIT since is started anew at the next poll, not failed
-        settled = [r for r in range(len(self.processes)) if r not in self.reentering]
-        for local_rank in settled:
-            process = self.processes[local_rank]
+        settled = {r: p for r, p in enumerate(self.processes) if r not in self.reentering}
+        for local_rank, process in settled.items():
             if process.poll() is not None:
                 self._exited_at.setdefault(local_rank, now)
             elif local_rank not in self._raised and self._error_file_written(local_rank):
@@ -250,7 +249,7 @@ class WorkerGroup:
         acting = self.watchdog.acting()
         failures = [
             self._failure(r)
-            for r, p in ((r, self.processes[r]) for r in settled)
+            for r, p in settled.items()
             if p.returncode not in (None, 0)
             or (p.returncode == 0 and self.watchdog.hang(r))
             or (p.returncode is None and self.watchdog.spared(r) and not acting)
