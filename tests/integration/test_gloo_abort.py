@@ -54,6 +54,7 @@ def start_ranks(script: str, env: dict[str, str], *args: str) -> list[subprocess
         subprocess.Popen(
             [sys.executable, "-c", script, *args],
             env=dict(env, RANK=str(rank)),
+            stdin=subprocess.PIPE,  # a rank that waits for nothing waits for its end to close
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -154,12 +155,12 @@ def test_the_abort_ends_a_set_up_that_waits_for_a_peer_that_never_came():
 
 
 STORE_SERVER = """
-import sys, time
+import sys
 from datetime import timedelta
 from torch.distributed import TCPStore
 store = TCPStore("127.0.0.1", int(sys.argv[1]), 2, True, timedelta(seconds=60), wait_for_workers=False)
 print("serving", flush=True)
-time.sleep(120)
+sys.stdin.read()  # serves until the test closes its end, or dies
 """
 
 LATER_SETUP = """
@@ -171,7 +172,7 @@ from elastic import process_groups
 process_groups.track_group_sockets()
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:
-    time.sleep(60)  # never builds the second group
+    sys.stdin.read()  # never builds the second group: waits until the test closes its end, or dies
 threading.Timer(2.0, lambda: print("aborted", process_groups.abort_all(), flush=True)).start()
 began = time.monotonic()
 try:
@@ -189,7 +190,9 @@ def test_the_abort_ends_a_later_groups_set_up_that_waits_in_the_store():
     survivors waited 9.6 s there, until the stopped node was killed. Now the store's connection is shut down
     too: new_group raises at once."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", STORE_SERVER, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     ranks: list[subprocess.Popen] = []
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "serving"
@@ -248,7 +251,9 @@ def test_a_set_up_connecting_to_a_stopped_store_is_known_and_does_not_go_on_once
     the store after the abort all the same, the set-up must not go on to build a group whose peers left: it
     waited there for the set-up's timeout."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", STORE_SERVER, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     rank: subprocess.Popen | None = None
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "serving"
