@@ -201,10 +201,8 @@ def faulted_node(fault: str) -> int:
 
 def apply_fault(job: Job, fault: str, rdzv_id: str, variant: str) -> float:
     """Fault the last node (node 0 for kill-controller); returns the time of the fault."""
-    if fault == "kill":
-        return job.hit(FAULTED_NODE, signal.SIGKILL)
-    if fault == "kill-controller":
-        return job.hit(CONTROLLER_NODE, signal.SIGKILL)
+    if fault in ("kill", "kill-controller"):
+        return job.hit(faulted_node(fault), signal.SIGKILL)
     if fault == "stop":
         return job.hit(FAULTED_NODE, signal.SIGSTOP)
     if fault == "crash":
