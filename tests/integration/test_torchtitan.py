@@ -316,7 +316,12 @@ def trainer_hook_resumes(rank: int, world_size: int, dump_folder: str, tokens: s
         ElasticCheckpointManager, dump_folder, model, optimizers, lr_schedulers, dataloader, train_state
     )
     assert checkpointer.load()
-    resumed = {"step": train_state.step, **values(model, optimizers, lr_schedulers)}
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    resumed = {
+        "step": train_state.step,
+        "clipping_on_shards": handlers.get(torch.ops.aten._foreach_norm.Scalar) is not None,
+        **values(model, optimizers, lr_schedulers),
+    }
     batches = iter(dataloader)
     while train_state.step < SAVED_STEP + 5:
         for _ in range(GLOBAL_BATCH // (LOCAL_BATCH * world_size)):
@@ -333,6 +338,7 @@ def test_elastic_checkpoint_manager_is_the_one_hook_in_torchtitans_trainer(saved
     shutil.copytree(checkpoint_dir, tmp_path / "checkpoint")
     grown = run_ranks(4, trainer_hook_resumes, str(tmp_path), tokens, timeout=180)
     assert grown[0]["resumed"]["step"] == SAVED_STEP
+    assert grown[0]["resumed"]["clipping_on_shards"], "the manager has the trainer's clipping run on the shards"
     assert_identical(grown[0]["resumed"]["model"], expected[0]["model"], "model")
     assert_identical(grown[0]["resumed"]["optimizer"], expected[0]["optimizer"], "optimizer")
     # step 15, saved by torchtitan's own code at 4 ranks with the elastic dataloader's global state, resumes at 1

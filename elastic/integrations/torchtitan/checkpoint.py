@@ -42,6 +42,7 @@ from torchtitan.tools import filesystem
 from elastic.checkpoint.errors import CheckpointError
 from elastic.checkpoint.loading import load_newest
 from elastic.checkpoint.ranks import Ranks
+from elastic.shard_local_ops import take_over_step_ops
 
 _TRAINER_ENTRIES = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER)
 
@@ -118,6 +119,10 @@ class ElasticCheckpointManager(CheckpointManager):
     Select it in the job's config, ``checkpoint=ElasticCheckpointManager.Config(...)`` (same fields as
     torchtitan's). Saving, retention, and the initial load when there is nothing to resume (a seed checkpoint,
     Hugging Face weights) stay torchtitan's; resuming from a checkpoint of its folder goes through ``load``.
+
+    Built, it has the trainer's fused optimizer steps and gradient clipping run on the local shards wherever DTensor
+    would run them there (`elastic.shard_local_ops`): a restarted trainer's first clipping otherwise spends a
+    second in DTensor's sharding propagation (300 parameters, 2 ranks, 2 cores).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -131,6 +136,7 @@ class ElasticCheckpointManager(CheckpointManager):
                 f"ElasticCheckpointManager reads checkpoints from a local or mounted file system, and {self.folder} "
                 "is remote; mount it, or use torchtitan's CheckpointManager (which cannot resume at another size)"
             )
+        take_over_step_ops()
 
     def _load(self, step: int = -1) -> bool:
         loaded = load(
