@@ -54,6 +54,15 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="run each step's collective inside elastic.long_operation(NAME), as a checkpoint save's are",
     )
+    parser.add_argument(
+        "--startup-long-operation",
+        default=None,
+        help="begin each round inside elastic.long_operation(NAME): --startup-time seconds, then a collective, as a "
+        "checkpoint load's gather",
+    )
+    parser.add_argument(
+        "--startup-time", type=float, default=0.3, help="seconds of that start-up before its collective"
+    )
     parser.add_argument("--fail-rank", type=int, default=None, help="this rank raises at --fail-step ...")
     parser.add_argument("--fail-step", type=int, default=3)
     parser.add_argument("--fail-restarts", type=int, default=1, help="... while TORCHELASTIC_RESTART_COUNT < this")
@@ -67,6 +76,10 @@ def main() -> None:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     round_ = int(os.environ.get("ELASTIC_ROUND", "0"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    if args.startup_long_operation:
+        with long_operation(args.startup_long_operation):
+            time.sleep(args.startup_time)
+            dist.barrier()
     log = open(args.log, "a") if args.log else None
     completed = 0
     for step in range(args.steps):

@@ -27,9 +27,11 @@ the channels when that round ended): a peer stopped two steps into a round is fo
 Before its first heartbeat in a round a worker is starting (re-entering, building, loading): once its node's workers
 heartbeated in an earlier round (as for the start-up allowance), it counts once it has been silent past
 `STALL_MIN_S` and idle over the last `STALL_MIN_S` (under `IDLE_CPU_SHARE` of a core), waiting on its peers instead
-of starting. A peer stopped as the round began holds every survivor there: before, only its
-lease's end found it (2.4-3.1 s). A start-up that waits on a slow peer (a joiner's start) costs a probe that every
-member answers.
+of starting; inside a long operation it declared (the checkpoint load, whose reads are gathered from every rank),
+once silent past the stall allowance of the node's last pace and idle since the operation began. A peer stopped
+during the load held a chaos run's scale-up until its lease ended (3.8 s). A peer stopped as the round began holds
+every survivor there: before, only its lease's end found it (2.4-3.1 s). A start-up that waits on a slow peer (a
+joiner's start) costs a probe that every member answers.
 In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next collective and
 nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the controller
 probes the members that are not stalled; a stall costs a probe, never a restart. Inside a long operation silence
@@ -197,6 +199,8 @@ def stall_of(
         idle = cpu_share is not None and cpu_share < IDLE_CPU_SHARE
         if snapshot.beats == 0 and snapshot.long_op is None:
             allowed = STALL_MIN_S if idle else None
+        elif snapshot.beats == 0:  # a start-up's load: the load gathers from every rank, a stopped one holds it
+            allowed = stall_allowance(prior) if idle else None
         else:
             allowed = stall_allowance(pace_of(snapshot, prior))
         if allowed is None or silent <= allowed:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from launcher_harness import FAST_RDZV, PROBE_MISSED, REPO, Cluster, elastic_run_command, events, membership_changes
 
+from elastic import channel
 from launcher.etcd.server import free_port
 from launcher.workers.process_tree import child_pids as children
 from launcher.workers.process_tree import descendant_pids, is_running
@@ -213,28 +214,40 @@ def test_sigstop_of_one_of_three_nodes_finishes_in_a_four_worker_round(cluster, 
     assert cluster.events("job_finished")
 
 
-def start_three_for_a_crash(cluster, inprocess: bool) -> tuple[dict, dict]:
+def start_three_for_a_crash(cluster, inprocess: bool, *probe_args: str) -> tuple[dict, dict]:
     """Agents a, b and c (probe workers, a 10 s lease, one restart for the crash to come), and the first
     collective of their world of 6."""
-    probe = cluster.probe(60, 0.1, *(["--inprocess"] if inprocess else []))
+    probe = cluster.probe(60, 0.1, *(["--inprocess"] if inprocess else []), *probe_args)
     restarts = ["--max-restarts", "1"]
     agents = {n: cluster.start(n, probe, nnodes="2:3", rdzv_conf=LONG_LEASE, extra=restarts) for n in ("a", "b", "c")}
     return agents, cluster.wait_for_world(6, timeout=90)
 
 
-def crash_then_stop_as_the_next_round_starts(cluster, agents: dict, full: dict, victim_id: str) -> tuple[float, dict]:
+def crash_then_stop_as_the_next_round_starts(
+    cluster, agents: dict, full: dict, victim_id: str, in_long_operation: str | None = None
+) -> tuple[float, dict]:
     """Crash a worker of a node other than `victim_id`, SIGSTOP the victim's whole tree as soon as its agent set up
-    the next round, let the others train in a world of 4 and finish (the victim leaves `agents`). Returns when the
-    victim was stopped and the first collective at world 4."""
+    the next round (or, given `in_long_operation`, once its first worker is inside that long operation in it), let
+    the others train in a world of 4 and finish (the victim leaves `agents`). Returns when the victim was stopped
+    and the first collective at world 4."""
     crashed = next(n for n in agents if n != victim_id)
     victim = agents.pop(victim_id)
     rounds = victim.log_dir / victim_id
+
+    def next_round_started() -> bool:
+        attempts = [d for d in rounds.glob("attempt_*") if int(d.name.split("_")[1]) > full["round"]]
+        if in_long_operation is None or not attempts:
+            return bool(attempts)
+        heartbeat = attempts[0] / "0" / "heartbeat"
+        found = channel.read(heartbeat.read_bytes()) if heartbeat.is_file() else None
+        return found is not None and found.long_op is not None and found.long_op.name == in_long_operation
+
     stopped: list[int] = []
     try:
         os.kill(children(agents[crashed].pid)[0], signal.SIGKILL)
         deadline = time.monotonic() + 60
         # looked for every 2 ms: in process, its workers take the round about 0.1 s after its set-up
-        while not any(int(d.name.split("_")[1]) > full["round"] for d in rounds.glob("attempt_*")):
+        while not next_round_started():
             assert time.monotonic() < deadline, f"{victim_id} set up no round after the crash\n{cluster.dump()}"
             time.sleep(0.002)
         stopped_at = time.time()
@@ -276,6 +289,31 @@ def test_a_node_stopped_as_a_new_round_starts_is_found_by_its_peers_stall(cluste
     # the survivors' stall, or, where one of their set-ups failed instead (a store connection reset), the roll
     # call that a failure starts: a probe either way, long before the 10 s lease
     assert {e["node"] for e in stalls + failed} <= set(agents) and (stalls or failed), (stalls, failed)
+    assert lost[0]["time"] - stopped_at < 6, "found by a probe, not when its 10 s lease ended"
+
+
+def test_a_node_stopped_in_the_rounds_checkpoint_load_is_found_by_its_peers_stall(cluster):
+    """As a chaos run's scale-up: the survivors re-entered and began the round's checkpoint load, a long operation
+    whose reads are gathered from every rank, and a node was SIGSTOPped there. Their workers, idle in the gather
+    before their first heartbeat of the round, were held to the long operation's rule, which judges by a pace they
+    had not shown yet: nothing was reported, and the lease's end found the stopped node (3.8 s in the chaos run,
+    10 s here). Idle past the node's last pace, they are a stall, and the controller's probe finds it."""
+    load = ["--startup-long-operation", "checkpoint load"]
+    agents, full = start_three_for_a_crash(cluster, True, *load)
+    # the survivors' nodes show a pace to judge the load by (a round of 3 steps or more)
+    cluster.wait_for(lambda: max(e["step"] for e in cluster.collectives()) >= 4, 60, "5 steps at world 6")
+    victim_id = next(n for n in reversed(agents) if n != cluster.controller())
+    stopped_at, again = crash_then_stop_as_the_next_round_starts(cluster, agents, full, victim_id, "checkpoint load")
+
+    lost = cluster.events("node_lost")
+    assert [e["node"] for e in lost] == [victim_id] and PROBE_MISSED.fullmatch(lost[0]["reason"]), lost
+    stalls = [e for e in cluster.events("workers_stalled") if stopped_at < e["time"] <= lost[0]["time"]]
+    print(
+        f"\nSIGSTOP in the round's load: stalls {[(e['node'], e['seconds_silent']) for e in stalls]}, node_lost "
+        f"{lost[0]['time'] - stopped_at:.2f}s after the stop; first collective at world 4 "
+        f"{again['time'] - stopped_at:.2f}s"
+    )
+    assert {e["node"] for e in stalls} <= set(agents) and stalls, "the survivors' load was reported stalled"
     assert lost[0]["time"] - stopped_at < 6, "found by a probe, not when its 10 s lease ended"
 
 
