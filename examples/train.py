@@ -76,6 +76,9 @@ class TrainConfig(BaseModel):
         "accumulation (default: a rank's whole share in one pass)",
     )
     lr: float = Field(3e-3, gt=0, description="peak learning rate of AdamW")
+    grad_clip: float = Field(
+        1.0, ge=0, description="clip the gradients' global norm to this before each step (0: no clipping)"
+    )
     warmup_steps: int | None = Field(
         None, ge=0, description="linear warm-up before the cosine decay (default: a tenth of --steps)"
     )
@@ -362,6 +365,8 @@ def main(config: TrainConfig, placement: Placement, dataset: CharWindows) -> Non
         seed_all(derive_seed(seed, step))  # global RNG state is a function of the step, never checkpointed
         lr = schedule.current_lrs()[0]
         loss_sum, samples = train_step(model, sampler.step_plan(), batches, seed, step, device)
+        if config.grad_clip:  # as nanoGPT and torchtitan (max_norm 1.0): one norm over every rank's shards
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
         schedule.advance()
