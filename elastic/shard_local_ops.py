@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -119,31 +119,21 @@ def _norms_on_shards(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     tensors, order = args[0], args[1] if len(args) > 1 else 2
     if not tensors or not isinstance(order, (int, float)) or not all(isinstance(t, DTensor) for t in tensors):
         return _dtensors_way(op, args, kwargs, _norms_on_shards)
+    # a few layouts for many tensors: each layout's placements, and its spec, made once
+    keys = [(id(tensor._spec.mesh), tensor._spec.placements) for tensor in tensors]
+    if not all(_no_reduction_pending(placements) for _, placements in set(keys)):
+        return _dtensors_way(op, args, kwargs, _norms_on_shards)
     pending = get_placement_from_reduction_op(_get_norm_reduction_op(order))
-    layouts: dict[tuple[int, tuple[Placement, ...]], tuple[Placement, ...] | None] = {}  # few, for many tensors
-    for tensor in tensors:
-        key = (id(tensor._spec.mesh), tensor._spec.placements)
-        if key not in layouts:
-            layouts[key] = _norm_placements(tensor._spec.placements, pending)
-            if layouts[key] is None:
-                return _dtensors_way(op, args, kwargs, _norms_on_shards)
     norms = op([tensor._local_tensor for tensor in tensors], *args[1:], **kwargs)
     specs: dict[tuple[int, tuple[Placement, ...]], DTensorSpec] = {}
     wrapped = []
-    for tensor, norm in zip(tensors, norms, strict=True):
-        key = (id(tensor._spec.mesh), tensor._spec.placements)
+    for tensor, key, norm in zip(tensors, keys, norms, strict=True):
         if key not in specs:
-            specs[key] = _scalar_spec(norm, tensor._spec.mesh, cast(tuple[Placement, ...], layouts[key]))
+            # where DTensor leaves a norm: its reduction pending on each mesh dimension that shards the tensor
+            placements = tuple(pending if _is_shard_like(p) else p for p in key[1])
+            specs[key] = _scalar_spec(norm, tensor._spec.mesh, placements)
         wrapped.append(DTensor(norm, specs[key], requires_grad=norm.requires_grad))
     return wrapped
-
-
-def _norm_placements(placements: tuple[Placement, ...], pending: Placement) -> tuple[Placement, ...] | None:
-    """Where DTensor leaves a norm: `pending` (the norm's reduction) on each mesh dimension that shards the tensor,
-    replicated on each that replicates it; None where a reduction is pending already (DTensor redistributes)."""
-    if not all(_is_shard_like(p) or isinstance(p, Replicate) for p in placements):
-        return None
-    return tuple(pending if _is_shard_like(p) else p for p in placements)
 
 
 def _scalar_spec(local: torch.Tensor, mesh: Any, placements: tuple[Placement, ...]) -> DTensorSpec:
@@ -170,7 +160,11 @@ def _stack_of_scalars(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 def _scaling_on_shards(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     tensors, factor = args
-    if kwargs or not tensors or not all(_reduced(tensor) for tensor in tensors):
+    if (
+        kwargs
+        or not tensors
+        or not all(isinstance(t, DTensor) and _no_reduction_pending(t.placements) for t in tensors)
+    ):
         return _dtensors_way(op, args, kwargs, _scaling_on_shards)
     if isinstance(factor, torch.Tensor):
         if not _scalar(factor):
@@ -179,9 +173,10 @@ def _scaling_on_shards(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return op([tensor._local_tensor for tensor in tensors], factor)
 
 
-def _reduced(tensor: Any) -> bool:
-    """A DTensor with no reduction pending: each rank's part of it is a part of its value."""
-    return isinstance(tensor, DTensor) and all(_is_shard_like(p) or isinstance(p, Replicate) for p in tensor.placements)
+def _no_reduction_pending(placements: tuple[Placement, ...]) -> bool:
+    """Each rank's part of a DTensor so placed is a part of its value (sharded or replicated; DTensor would
+    redistribute a pending reduction first)."""
+    return all(_is_shard_like(p) or isinstance(p, Replicate) for p in placements)
 
 
 def _local_operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
