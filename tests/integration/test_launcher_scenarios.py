@@ -235,10 +235,11 @@ def crash_then_stop_as_the_next_round_starts(
     rounds = victim.log_dir / victim_id
 
     def next_round_started() -> bool:
-        attempts = [d for d in rounds.glob("attempt_*") if int(d.name.split("_")[1]) > full["round"]]
-        if in_long_operation is None or not attempts:
-            return bool(attempts)
-        heartbeat = attempts[0] / "0" / "heartbeat"
+        attempts = {int(d.name.split("_")[1]): d for d in rounds.glob("attempt_*")}
+        later = {number: d for number, d in attempts.items() if number > full["round"]}
+        if in_long_operation is None or not later:
+            return bool(later)
+        heartbeat = later[min(later)] / "0" / "heartbeat"  # the round right after the crash
         found = channel.read(heartbeat.read_bytes()) if heartbeat.is_file() else None
         return found is not None and found.long_op is not None and found.long_op.name == in_long_operation
 
