@@ -22,6 +22,7 @@ machine:
                  second later, so the world may train on a few steps meanwhile, which count as redone if the
                  next round starts from before them);
        preempt   SIGTERM its agent (a preemption notice: the workers drain, then the agent leaves);
+       preempt-controller  the same on node 0, the controller's node;
        scale-up  start the 3rd agent while 2 train;
   4. measure the seconds from the fault to the first step completed by every rank of a round after the fault's
      round (from the `time` each rank writes into the sample log), the seconds until such a round completed
@@ -91,6 +92,7 @@ FAULTS = {
     "crash": "worker SIGKILL",
     "hang": "worker SIGSTOP",
     "preempt": "agent SIGTERM",
+    "preempt-controller": "node0 agent SIGTERM",
     "scale-up": "3rd node joins",
 }
 VARIANTS = {
@@ -196,7 +198,7 @@ def signal_worker(job: Job, node: int, signum: int) -> float:
 
 
 def faulted_node(fault: str) -> int:
-    return CONTROLLER_NODE if fault == "kill-controller" else FAULTED_NODE
+    return CONTROLLER_NODE if fault in ("kill-controller", "preempt-controller") else FAULTED_NODE
 
 
 def apply_fault(job: Job, fault: str, rdzv_id: str, variant: str) -> float:
@@ -209,10 +211,11 @@ def apply_fault(job: Job, fault: str, rdzv_id: str, variant: str) -> float:
         return signal_worker(job, FAULTED_NODE, signal.SIGKILL)
     if fault == "hang":
         return signal_worker(job, FAULTED_NODE, signal.SIGSTOP)
-    if fault == "preempt":
+    if fault in ("preempt", "preempt-controller"):
+        node = faulted_node(fault)
         fault_time = time.time()
-        os.kill(job.agents[FAULTED_NODE].pid, signal.SIGTERM)
-        logger.info("  SIGTERM agent pid %d of node%d", job.agents[FAULTED_NODE].pid, FAULTED_NODE)
+        os.kill(job.agents[node].pid, signal.SIGTERM)
+        logger.info("  SIGTERM agent pid %d of node%d", job.agents[node].pid, node)
         return fault_time
     fault_time = time.time()
     start_node(job, FAULTED_NODE, rdzv_id, variant, fault)

@@ -377,21 +377,27 @@ class Agent:
         self._join()
 
     def _leave(self, signum: int) -> int:
-        """Keep the lease while the workers stop, so peers' failures are not charged and no loss is logged."""
+        """Workers that drained wait at a committed step: leave at once, so the next round forms while they stop.
+        Others may still fail their peers' collectives: keep the lease while they stop, so those failures are
+        not charged and no loss is logged."""
         name = signal.Signals(signum).name
         reason = f"agent received {name}"
         logger.warning("received %s: stopping workers and leaving job %s", name, self.config.rdzv_id)
+        drained = False
         try:
             self.store.announce_leaving(self.node_id, self.me.record.lease, reason)
-            self.workers.drain_before_leaving(self.run_, self._read_view, self.mirror.wait)
+            drained = self.workers.drain_before_leaving(self.run_, self._read_view, self.mirror.wait)
         except Exception as exc:
             logger.warning("could not announce leaving (%s); stopping workers anyway", exc)
-        self.workers.stop(signum)  # forwarded as-is, SIGKILL after the grace period
+        if not drained:
+            self.workers.stop(signum)  # forwarded as-is, SIGKILL after the grace period
         self.seat.stop()
         try:
             self.store.leave(self.me.record, self.run_.round if self.run_ else None, reason)
         except Exception as exc:
             logger.warning("could not leave the membership cleanly (%s); peers will notice when the lease expires", exc)
+        if drained:
+            self.workers.stop(signum)
         return 128 + signum
 
     def _read_view(self) -> tuple[JobView, int]:

@@ -220,33 +220,36 @@ class RoundWorkers:
             answer = pending if pending is not None else DrainReport(number=request.number, step=None)
         if self.store.report_drained(run.round, run.revision, self.node_id, answer):
             run.drain_answered = request.number
+            run.drained_step = answer.step
             if answer.step is not None:
                 logger.info("round %d: workers drained at step %d", run.round, answer.step)
 
     def drain_before_leaving(
         self, run: RoundRun | None, read_view: Callable[[], tuple[JobView, int]], wait: Callable[[int, float], Any]
-    ) -> None:
+    ) -> bool:
         """Our leave notice makes the controller ask for a drain: keep the workers until it committed (at most
-        --drain-timeout), so the next round redoes nothing of theirs."""
+        --drain-timeout), so the next round redoes nothing of theirs. True: they committed a step and wait at
+        that step boundary, where nothing they do or fail to do matters to the next round."""
         if run is None or self.group is None or run.phase is not Phase.RUNNING or not self.config.drain_timeout:
-            return
+            return False
         deadline = time.monotonic() + self.config.drain_timeout
         while time.monotonic() < deadline:
             view, seen = read_view()
             header = view.round_header
             if view.status is not None or header is None or header.round != run.round:
-                return  # the job or the round moved on
+                return False  # the job or the round moved on
             if self.group is None or self.group.poll()[0] is not WorkerOutcome.RUNNING:
-                return
+                return False
             self.follow_drain(run, view.drains.get(run.round))
             if run.drain_answered:
-                return
+                return run.drained_step is not None
             wait(seen, self.config.monitor_interval)
         logger.warning(
             "the workers did not drain within --drain-timeout %gs; leaving anyway (the next round redoes "
             "the steps since the last checkpoint)",
             self.config.drain_timeout,
         )
+        return False
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         self.stop_round_workers(signum)

@@ -92,6 +92,7 @@ class RoundRun:
     answered_rollcall: str | None = None  # the nonce of the last roll call answered
     drain_asked: int = 0  # the drain our workers were asked for (0: none, or withdrawn)
     drain_answered: int = 0  # the drain our answer is in etcd for
+    drained_step: int | None = None  # the step our workers committed for that answer (None: they drained nothing)
     refill_warm_at: float | None = None  # when to pre-start the next round's warm workers (monotonic)
     progress_step: int | None = None  # the last step recorded in the membership log this round
     progress_at: float = 0.0  # when it was recorded (monotonic)

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from launcher_harness import REPO
@@ -18,6 +19,8 @@ from launcher.workers.process_tree import child_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
+TRAIN = REPO / "examples" / "train.py"
+
 
 def steps_by_round(samples) -> dict[int, set[int]]:
     rounds: dict[int, set[int]] = {}
@@ -26,7 +29,9 @@ def steps_by_round(samples) -> dict[int, set[int]]:
     return rounds
 
 
-def start_training(cluster, tmp_path, nodes: str, steps: int) -> tuple[list, Callable]:
+def start_training(
+    cluster, tmp_path, nodes: str, steps: int, script: Path = TRAIN, env: dict[str, str] | None = None
+) -> tuple[list, Callable]:
     """`nodes` agents (--nnodes 2:3, one worker each) of examples/train.py, once they trained 5 steps; `start`
     starts another with the same arguments."""
     # --ckpt-every beyond the run: the only checkpoints are step 0, the drain's and the last
@@ -47,7 +52,7 @@ def start_training(cluster, tmp_path, nodes: str, steps: int) -> tuple[list, Cal
     ]
 
     def start(node: str):
-        return cluster.start(node, args, nnodes="2:3", nproc=1, script=REPO / "examples" / "train.py")
+        return cluster.start(node, args, nnodes="2:3", nproc=1, script=script, env=env)
 
     agents = [start(node) for node in nodes]
     samples = tmp_path / "samples.jsonl"
@@ -87,10 +92,15 @@ def test_a_scale_up_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
 
 
 def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
+    """The workers exit slowly on SIGTERM (slow_exit_train.py): drained, they wait at a committed step, so their
+    agent leaves first and the next round forms while they stop; before, it waited out their grace period."""
     steps = 25  # the drain comes at step 6 or so: the rest is trained at 2 ranks
-    agents, _ = start_training(cluster, tmp_path, "abc", steps)
+    marks = tmp_path / "sigterm.txt"
+    script = Path(__file__).with_name("slow_exit_train.py")
+    agents, _ = start_training(cluster, tmp_path, "abc", steps, script, env={"SLOW_EXIT_MARK": str(marks)})
     os.kill(agents[2].pid, signal.SIGTERM)  # a preemption notice
     assert agents[2].wait(timeout=90) == 128 + signal.SIGTERM, cluster.dump()
+    [(_, sigterm_at)] = [line.split() for line in marks.read_text().splitlines()]
     for agent in agents[:2]:
         assert agent.wait(timeout=180) == 0, cluster.dump()
 
@@ -100,7 +110,9 @@ def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster,
     assert len(drained) == 1 and drained[0]["step"] == max(rounds[0]), f"{cluster.log()}\n{cluster.dump()}"
     on_disk = [entry.step for entry in scan(tmp_path / "ckpt") if entry.committed]
     assert drained[0]["step"] not in on_disk, "the 2 that stay go on, holding the snapshot: answered in memory"
-    assert [e["node"] for e in cluster.events("node_left")] == ["c"] and not cluster.events("node_lost")
+    [left] = cluster.events("node_left")
+    assert left["node"] == "c" and not cluster.events("node_lost")
+    assert left["time"] < float(sigterm_at), "c left before its drained worker was told to stop"
     last = cluster.events("round_started")[-1]
     assert (last["reason"], last["world_size"]) == ("node_left", 2)
     print(
