@@ -12,7 +12,8 @@ function each):
    lost (unless it left), then a round forms without it if MIN nodes remain, else the job fails after
    `join_timeout`. A loss never counts against `--max-restarts`.
 5. A member announced it is leaving: its round is drained (below), then wait until its registration is gone
-   (it keeps its lease until its workers drained and exited); after `close_timeout` it is evicted.
+   (it keeps its lease until its workers drained, or exited if they could not); after `close_timeout` it is
+   evicted.
 6. Workers failed: every member that has not reported is asked to answer a roll call, and its agent is probed
    (`probe_timeout`, launcher.rendezvous.liveness). Once all have answered, the failure is a worker failure: a new round
    with one more restart, or the end of the job past `--max-restarts`. A member whose agent refuses or does not
