@@ -38,9 +38,9 @@ A node that joins a job already training starts its workers before it registers,
 takes the node in, then enters `main` as a survivor re-enters it. The drain that makes room for the node is asked
 for only then, so the round does not wait on the joiner's imports and set-up.
 
-Each round's first fused optimizer step and gradient clipping over FSDP2's DTensors would pay DTensor's sharding
-propagation again; under `run` they run on the local shards where DTensor would run them there anyway
-(`elastic.shard_local_ops`).
+Each round's model build (fully_shard's detaches), first fused optimizer step and gradient clipping over FSDP2's
+DTensors would pay DTensor's sharding propagation again; under `run` they run on the local shards where DTensor
+would run them there anyway (`elastic.shard_local_ops`).
 
 Outside elastic-run (plain `python`, torchrun, `--no-inprocess`) `run` calls `main` once.
 """
@@ -267,8 +267,8 @@ def run(main: Callable[..., Result], *args, **kwargs) -> Result:
 
 
 def _run_step_ops_on_shards() -> None:
-    """A round's first optimizer step and gradient clipping over DTensors cost a sharding propagation that no
-    round reuses (`elastic.shard_local_ops`); a script that never imported DTensor has none to take over."""
+    """A round's model build, first optimizer step and gradient clipping over DTensors cost a sharding propagation
+    that no round reuses (`elastic.shard_local_ops`); a script that never imported DTensor has none to take over."""
     if "torch.distributed.tensor" in sys.modules:
         from elastic.shard_local_ops import take_over_step_ops
 
