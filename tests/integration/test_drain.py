@@ -100,8 +100,10 @@ def test_an_agent_told_to_stop_drains_first_so_no_step_is_trained_twice(cluster,
     agents, _ = start_training(cluster, tmp_path, "abc", steps, script, env={"SLOW_EXIT_MARK": str(marks)})
     os.kill(agents[2].pid, signal.SIGTERM)  # a preemption notice
     assert agents[2].wait(timeout=90) == 128 + signal.SIGTERM, cluster.dump()
-    # the first SIGTERM any of c's workers received (standby ones too, were the script to have them)
-    sigterm_at = min(float(line.split()[1]) for line in marks.read_text().splitlines())
+    received = marks.read_text().splitlines() if marks.exists() else []
+    assert received, f"c's worker never received its SIGTERM\n{cluster.dump()}"
+    # the first any of c's workers received (standby ones too, were the script to have them)
+    sigterm_at = min(float(line.split()[1]) for line in received)
     for agent in agents[:2]:
         assert agent.wait(timeout=180) == 0, cluster.dump()
 
