@@ -32,8 +32,8 @@ def steps_by_round(samples) -> dict[int, set[int]]:
 def start_training(
     cluster, tmp_path, nodes: str, steps: int, script: Path = TRAIN, env: dict[str, str] | None = None
 ) -> tuple[list, Callable]:
-    """`nodes` agents (--nnodes 2:3, one worker each) of examples/train.py, once they trained 5 steps; `start`
-    starts another with the same arguments."""
+    """`nodes` agents (--nnodes 2:3, one worker each) of `script` (examples/train.py, or a wrapper of it) with
+    `env`, once they trained 5 steps; `start` starts another with the same arguments."""
     # --ckpt-every beyond the run: the only checkpoints are step 0, the drain's and the last
     args = [
         "--steps",
