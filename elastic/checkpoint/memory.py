@@ -71,7 +71,7 @@ from elastic.checkpoint.snapshot_format import (
     filled_in_place,
     mapped_file,
 )
-from elastic.checkpoint.snapshot_plans import RecordingPlanner, SnapshotPlan, local_plan
+from elastic.checkpoint.snapshot_plans import RecordingPlanner, ShardItems, SnapshotPlan, local_plan
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +258,7 @@ class MemorySnapshots:
         self._copied: int | None = None  # the newest own step whose part reached the next node
         self._room = (True, True)  # whether the last copy had room here, and on the next node
         self._plan: SnapshotPlan | None = None  # the last snapshot's plan, for the next one if it fits every rank
+        self._shard_items: ShardItems = {}  # the last local plan's DTensor write items, for the next local plan
 
     @property
     def nodes(self) -> int:
@@ -273,7 +274,8 @@ class MemorySnapshots:
         state_dict = state_dicts(state)
         planner, fits = None, False
         if self._plan is not None:  # a round's first snapshot plans in DCP: no local plan to compare with
-            planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0)
+            planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0, known=self._shard_items)
+            self._shard_items = planner.shard_items
             fits = self._plan.fits(planner)
 
         def prepare() -> tuple[bool, str | None]:
@@ -423,7 +425,7 @@ class MemorySnapshots:
 
     def _write_and_plan(self, folder: Path, step: int, state_dict: dict[str, Any]) -> tuple[bytes, SnapshotRecord]:
         """Save with DCP, its plan agreed among the ranks, and keep the plan for the next snapshots."""
-        planner = RecordingPlanner()
+        planner = RecordingPlanner(self._shard_items)
         dcp.save(  # DCP's default planner, without DCP's plan caching: see elastic.checkpoint.saver
             state_dict,
             storage_writer=SnapshotWriter(folder, self._written),
@@ -441,6 +443,7 @@ class MemorySnapshots:
             describe, f"reading the metadata of the snapshot of step {step}", only_rank0=True
         )
         assert planner.local is not None and planner.agreed is not None, "DCP's save made and finished a plan"
+        self._shard_items = planner.shard_items
         self._plan = SnapshotPlan(planner.local, planner.agreed, pickle.loads(metadata))
         return metadata, record
 

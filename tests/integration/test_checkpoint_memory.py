@@ -19,12 +19,13 @@ import torch.distributed as dist
 from multiproc import run_ranks
 from small_tmpfs import small_tmpfs
 from test_checkpoint_reshard import assert_identical, full_state, sharded
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from elastic import process_groups
-from elastic.checkpoint import CheckpointManager, ModelState, memory
+from elastic.checkpoint import CheckpointManager, ModelState, memory, snapshot_plans
 from elastic.checkpoint.layout import scan
 from elastic.checkpoint.memory import (
     METADATA,
@@ -306,6 +307,71 @@ def snapshots_through_a_layout_change(rank: int, world_size: int, disk: str, nod
     manager.close()
     expected = full_state(model, optimizer)
     return planned, expected if rank == 0 else None
+
+
+def local_plans_through_layout_changes(rank: int, world_size: int) -> list[tuple[str, bool, list[str]]]:
+    """Per change of a state's layout: whether snapshot_plans' local plan, made from the last plan's items, is the
+    one DCP makes, and which DTensor entries it had DCP make anew."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    rows, wide = torch.randn(7, 3), torch.randn(5, 2)  # uneven shards at 3 ranks
+    made: list[str] = []
+    dcps = snapshot_plans.create_default_local_save_plan
+
+    def counted(state_dict: dict[str, Any], is_coordinator: bool) -> Any:
+        made.extend(fqn for fqn, value in state_dict.items() if isinstance(value, DTensor))
+        return dcps(state_dict, is_coordinator)
+
+    snapshot_plans.create_default_local_save_plan = counted
+    state: dict[str, Any] = {
+        "weight": distribute_tensor(rows, mesh, [Shard(0)]),
+        "bias": distribute_tensor(torch.randn(4), mesh, [Replicate()]),
+        "trainable": distribute_tensor(wide, mesh, [Shard(1)]).requires_grad_(),
+        "optimizer": {"step": torch.tensor(3.0), "lr": 0.1},
+        "note": "text",
+    }
+    changes = [
+        ("the first plan", False, lambda: None),
+        ("the same layout, other values", False, lambda: state["weight"].to_local().add_(1)),
+        ("resharded along another dim", False, lambda: state.update(weight=distribute_tensor(rows, mesh, [Shard(1)]))),
+        ("a larger shape", False, lambda: state.update(weight=distribute_tensor(torch.randn(8, 3), mesh, [Shard(0)]))),
+        ("renamed", False, lambda: state.update(renamed=state.pop("weight"))),
+        ("another dtype", False, lambda: state.update(bias=state["bias"].to(torch.bfloat16))),
+        ("planned without grad", True, lambda: None),
+        ("an entry more", True, lambda: state.update(extra=distribute_tensor(wide, mesh, [Replicate()]))),
+    ]
+    known: snapshot_plans.ShardItems = {}
+    outcomes = []
+    for name, no_grad, change in changes:
+        change()
+        made.clear()
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            ours = snapshot_plans.local_plan(state, is_coordinator=rank == 0, known=known)
+            dcp_planner = DefaultSavePlanner()
+            dcp_planner.set_up_planner(state, storage_meta=None, is_coordinator=rank == 0)
+            dcps_plan = dcp_planner.create_local_plan()
+        known = ours.shard_items
+        outcomes.append((name, ours.local == dcps_plan, sorted(made)))
+    snapshot_plans.create_default_local_save_plan = dcps
+    return outcomes
+
+
+@pytest.mark.timeout(120)
+def test_a_local_plan_makes_anew_only_the_dtensors_whose_layout_changed() -> None:
+    """A snapshot's local plan is made every step; DCP computes each DTensor's shard offsets for it again. Ours
+    takes the items of the last plan for entries of the same name, shape, dtype, mesh, placements and grad, and is
+    DCP's plan item for item, at 3 ranks with uneven shards."""
+    for outcomes in run_ranks(3, local_plans_through_layout_changes):
+        assert outcomes == [
+            ("the first plan", True, ["bias", "trainable", "weight"]),
+            ("the same layout, other values", True, []),
+            ("resharded along another dim", True, ["weight"]),
+            ("a larger shape", True, ["weight"]),
+            ("renamed", True, ["renamed"]),
+            ("another dtype", True, ["bias"]),
+            ("planned without grad", True, ["trainable"]),
+            ("an entry more", True, ["extra"]),
+        ]
 
 
 @pytest.mark.timeout(240)
