@@ -15,7 +15,9 @@ placements, shape, stride and dtype, and this process at the same coordinates of
   replicated gradients: ``_foreach_norm``, whose per-shard norms DTensor marks as pending the same reduction
   across the sharded mesh dimensions; ``stack`` of those 0-dim norms, laid out alike; and ``_foreach_mul_`` by a
   number or a 0-dim tensor every rank holds. At 300 parameters on 2 ranks their first call on a new mesh cost
-  0.9 s, and torchtitan clips at every step;
+  0.9 s, and torchtitan clips at every step. Then torch's clip coefficient from the replicated total norm,
+  ``(max_norm / (total + eps)).clamp(max=1)``: ``add``, ``reciprocal``, ``mul`` and ``clamp`` of DTensors all
+  replicated on one mesh run on the local tensors (5-50 ms of a re-entry's first step at 6 ranks on 2 cores);
 - ``detach``, which keeps any layout (DTensor's strategy is its input's): FSDP2's ``fully_shard`` detaches each
   sharded parameter, and at 6 ranks on 2 cores the 8 shapes of examples/train.py cost 30-130 ms of every
   re-entered round's model build.
@@ -40,6 +42,13 @@ Handler = Callable[[Any, tuple[object, ...], dict[str, object]], Any]
 
 _lock = threading.RLock()  # guards DTensor's table of op handlers while one is taken out of it or put in
 _FUSED_STEPS = ("_fused_adam_", "_fused_adamw_")  # the fused steps DTensor runs (2.13: not SGD's, Adagrad's)
+# torch.nn.utils.clip_grad_norm_'s clip coefficient from the replicated total norm: (max / (norm + eps)).clamp(max=1)
+_CLIPPING_ON_REPLICAS = (
+    torch.ops.aten.add.Tensor,
+    torch.ops.aten.reciprocal.default,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.clamp.default,
+)
 
 
 def laid_out_alike(target: Any, source: Any) -> bool:
@@ -79,6 +88,8 @@ def take_over_step_ops() -> None:
     _install(torch.ops.aten._foreach_mul_.Scalar, _scaling_on_shards)
     _install(torch.ops.aten._foreach_mul_.Tensor, _scaling_on_shards)
     _install(torch.ops.aten.detach.default, _detach_on_shards)
+    for op in _CLIPPING_ON_REPLICAS:
+        _install(op, _elementwise_on_replicas)
 
 
 def _handlers() -> dict[Any, Any]:
@@ -183,6 +194,26 @@ def _scaling_on_shards(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             return _dtensors_way(op, args, kwargs, _scaling_on_shards)
         factor = factor._local_tensor if isinstance(factor, DTensor) else factor
     return op([tensor._local_tensor for tensor in tensors], factor)
+
+
+def _elementwise_on_replicas(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An elementwise op of DTensors replicated on one mesh (and numbers): every rank holds every operand whole,
+    so DTensor runs it on the local tensors and replicates the result."""
+    operands = [*args, *kwargs.values()]
+    tensors = [operand for operand in operands if isinstance(operand, torch.Tensor)]
+    first = tensors[0] if tensors else None
+    if not isinstance(first, DTensor) or not all(
+        isinstance(tensor, DTensor)
+        and tensor.device_mesh == first.device_mesh
+        and all(placement.is_replicate() for placement in tensor.placements)
+        for tensor in tensors
+    ):
+        return _dtensors_way(op, args, kwargs, _elementwise_on_replicas)
+    local = op(
+        *(arg._local_tensor if isinstance(arg, DTensor) else arg for arg in args),
+        **{key: value._local_tensor if isinstance(value, DTensor) else value for key, value in kwargs.items()},
+    )
+    return DTensor(local, _scalar_spec(local, first.device_mesh, first.placements), requires_grad=local.requires_grad)
 
 
 def _no_reduction_pending(placements: tuple[Placement, ...]) -> bool:

@@ -133,16 +133,80 @@ def test_gradient_clipping_on_the_shards_gives_dtensors_values() -> None:
     torchtitan clips at every step. On the shards (2-norm, inf-norm, 1-norm; torch's and torchtitan's clipping;
     sharded and replicated gradients, uneven and empty shards at 3 ranks), the total norm and every clipped
     gradient equal DTensor's own bit for bit. Only the stack of sharded and replicated gradients' norms goes to
-    DTensor, which redistributes the replicated one to stack them."""
+    DTensor, which redistributes the replicated one to stack them, and the inf-norm's pending total. torch's clip
+    coefficient from a replicated total, (max / (total + eps)).clamp(max=1), is computed on the local tensors."""
     for result in run_ranks(3, clipped):
         assert {"aten._foreach_norm.Scalar", "aten._foreach_mul_.Tensor", "aten.stack.default"} <= set(
             result["taken_over"]
         )
-        assert result["left_to_dtensor"] == ["aten.stack.default"]
+        assert {"aten.add.Tensor", "aten.reciprocal.default", "aten.mul.Tensor", "aten.clamp.default"} <= set(
+            result["taken_over"]
+        )
+        # and the inf-norm's total plus eps: its max is still pending (Partial(max)), so DTensor reduces it first
+        assert result["left_to_dtensor"] == ["aten.stack.default", "aten.add.Tensor"]
         for name, (torch_total, torch_grads) in result["torchs"].items():
             our_total, our_grads = result["ours"][name]
             assert torch.equal(torch_total, our_total), name
             assert all(torch.equal(a, b) for a, b in zip(torch_grads, our_grads, strict=True)), name
+
+
+def elementwise_both_ways(rank: int, world_size: int) -> dict[str, Any]:
+    """Elementwise ops of replicated DTensors by DTensor's way and on the local tensors: whether spec and values
+    agree; and which calls of other layouts were left to DTensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    matrix = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Replicate()])
+    row = distribute_tensor(torch.tensor([0.5, -2.0]), mesh, [Replicate()])
+    total = distribute_tensor(torch.tensor(4.0), mesh, [Replicate()])
+    calls = {
+        "0-dim plus a number": lambda: total + 1e-6,
+        "a number over a 0-dim": lambda: 0.01 / total,
+        "clamped from above": lambda: total.clamp(max=1.0),
+        "clamped both sides": lambda: matrix.clamp(1.0, 4.0),
+        "broadcast product": lambda: matrix * row,
+        "sum with alpha": lambda: torch.add(matrix, row, alpha=2),
+    }
+    torchs = {name: call() for name, call in calls.items()}
+    left: list[str] = []
+    dtensors_way = shard_local_ops._dtensors_way
+
+    def counted(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], handler: Any) -> Any:
+        left.append(str(op))
+        return dtensors_way(op, args, kwargs, handler)
+
+    shard_local_ops._dtensors_way = counted
+    shard_local_ops.take_over_step_ops()
+    ours = {name: call() for name, call in calls.items()}
+    same = {
+        name: torchs[name]._spec == ours[name]._spec and torch.equal(torchs[name].to_local(), ours[name].to_local())
+        for name in calls
+    }
+    local_calls = len(left)
+    sharded = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+    pending = DTensor.from_local(torch.tensor(float(rank)), mesh, [Partial()])
+    others = {
+        "sharded": lambda: (sharded * 2.0).full_tensor(),
+        "pending": lambda: (pending + 1.0).full_tensor(),
+        "beside a plain tensor": lambda: (total + torch.tensor(1.0)).full_tensor(),
+    }
+    values = {name: call() for name, call in others.items()}
+    return {"same": same, "local_calls": local_calls, "left": left, "values": values}
+
+
+@pytest.mark.timeout(120)
+def test_elementwise_ops_of_replicas_run_on_the_local_tensors() -> None:
+    """Each of clipping's last four ops cost a sharding propagation in every new round. Of replicated DTensors they
+    give DTensor's spec and values on the local tensors; a sharded or pending operand, or a plain tensor beside a
+    DTensor, is left to DTensor."""
+    for rank, result in enumerate(run_ranks(3, elementwise_both_ways)):
+        assert all(result["same"].values()), result["same"]
+        assert result["local_calls"] == 0
+        assert result["left"] == ["aten.mul.Tensor", "aten.add.Tensor", "aten.add.Tensor"]
+        assert torch.equal(result["values"]["sharded"], torch.arange(6.0).reshape(3, 2) * 2), rank
+        assert result["values"]["pending"].item() == 0 + 1 + 2 + 1.0
+        assert result["values"]["beside a plain tensor"].item() == 5.0
 
 
 def mixed_layouts(rank: int, world_size: int) -> dict[str, Any]:
