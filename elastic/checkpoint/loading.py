@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic.checkpoint.aside import UNREADABLE, set_aside
@@ -31,6 +30,7 @@ from elastic.checkpoint.entry_rules import (
 from elastic.checkpoint.errors import CheckpointError, UnreadableDataError
 from elastic.checkpoint.integrity import verify_readable
 from elastic.checkpoint.layout import CheckpointEntry, saved_world_size, scan
+from elastic.checkpoint.load_plans import MadeLoadPlan, ReusingLoadPlanner
 from elastic.checkpoint.ranks import Ranks
 from elastic.checkpoint.reader import CheckpointReader
 from elastic.checkpoint.torch_internals import flat_keys
@@ -135,6 +135,7 @@ def load_folder(
     reader: type[CheckpointReader] = CheckpointReader,
     prepare: Callable[[], object] | None = None,
     dicts: dict[str, Any] | None = None,
+    load_plan: MadeLoadPlan | None = None,
 ) -> None:
     """Load the DCP checkpoint of ``step`` in ``folder`` (a committed step-<N>, or a snapshot in memory, read
     with its own ``reader``) into ``state``, in place, at this world size. Whether each entry is loaded or
@@ -144,7 +145,7 @@ def load_folder(
     on every rank (a snapshot's files gathered into ``folder``); a failure there or in reading the metadata
     raises RankFailure on every rank. One collective before DCP's load: at a change of round each costs every
     rank a wait for the slowest (about 13 ms at 6 ranks on 2 cores). ``dicts``: ``state_dicts(state)``, where the
-    caller has them already."""
+    caller has them already; ``load_plan``: this rank's local plan for them, where the caller made it already."""
     if dicts is None:
         dicts = state_dicts(state)
     saved_keys: dict[str, list[str]] = {}
@@ -179,7 +180,7 @@ def load_folder(
         more = f" (and {len(refusals) - 1} more state entries it cannot serve)" if len(refusals) > 1 else ""
         raise CheckpointError(f"{folder} {refusals[0]}{more}")
     loadable = {name: dicts[name] for name, decision in decisions.items() if isinstance(decision, Load)}
-    _load_each_rank_alone(ranks, loadable, storage)
+    _load_each_rank_alone(ranks, loadable, storage, load_plan)
     for name, loaded in loadable.items():
         if isinstance(state[name], Stateful):
             state[name].load_state_dict(loaded)
@@ -192,7 +193,9 @@ def load_folder(
                 logger.warning("%s %s; regenerated %r from global step %d", folder, decision.reason, name, step)
 
 
-def _load_each_rank_alone(ranks: Ranks, state_dict: dict[str, Any], storage: CheckpointReader) -> None:
+def _load_each_rank_alone(
+    ranks: Ranks, state_dict: dict[str, Any], storage: CheckpointReader, load_plan: MadeLoadPlan | None
+) -> None:
     """``dcp.load`` with every rank planning its own reads, then one gather of the ranks' failures, raised on every
     rank as the CheckpointException DCP raises. A load plan needs no coordination (DCP's global load plan is the
     ranks' own plans), and DCP's collectives around it (the plans gathered and scattered, then the reads'
@@ -203,7 +206,7 @@ def _load_each_rank_alone(ranks: Ranks, state_dict: dict[str, Any], storage: Che
     try:
         with warnings.catch_warnings():  # it says torch.distributed is off, which is not so: it is not used
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(state_dict, storage_reader=storage, planner=DefaultLoadPlanner(), no_dist=True)
+            dcp.load(state_dict, storage_reader=storage, planner=ReusingLoadPlanner(load_plan), no_dist=True)
     except CheckpointException as error:  # alone, DCP raises this rank's failure as rank 0's
         failure = next(iter(error.failures.values()))
     except Exception as error:

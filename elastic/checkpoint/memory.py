@@ -57,10 +57,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, ConfigDict
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
 from elastic import process_groups
+from elastic.checkpoint.load_plans import MadeLoadPlan, make_load_plan
 from elastic.checkpoint.loading import load_folder, state_dicts
 from elastic.checkpoint.ranks import Ranks
 from elastic.checkpoint.snapshot_format import (
@@ -219,15 +220,12 @@ def plan_range_transfers(
     return transfers
 
 
-def planned_reads(folder: Path, state_dict: dict[str, Any], lacking: set[str]) -> Ranges:
-    """The byte ranges of the ``lacking`` data files that a DCP load of ``state_dict`` from the snapshot in
-    ``folder`` reads (SnapshotReader reads each item's whole stored range). Entries the snapshot lacks are left
-    out: whether they are loaded or regenerated is decided later, alike on every rank (loading.py)."""
-    metadata = SnapshotReader(folder).read_metadata()
-    planner = DefaultLoadPlanner(allow_partial_load=True)
-    planner.set_up_planner(state_dict, metadata, is_coordinator=False)
+def planned_reads(metadata: Metadata, made: MadeLoadPlan, lacking: set[str]) -> Ranges:
+    """The byte ranges of the ``lacking`` data files that a DCP load with the plan ``made`` reads from the snapshot
+    of ``metadata`` (SnapshotReader reads each item's whole stored range). Entries the snapshot lacks are left out:
+    whether they are loaded or regenerated is decided later, alike on every rank (loading.py)."""
     reads: Ranges = {}
-    for item in planner.create_local_plan().items:
+    for item in made.plan.items:
         stored = metadata.storage_data[item.storage_index]
         if stored.relative_path in lacking and stored.length:
             reads.setdefault(stored.relative_path, []).append((stored.offset, stored.length))
@@ -362,11 +360,17 @@ class MemorySnapshots:
         dicts = state_dicts(state)
         lacking = [set(record.files) - set(inventory.held(record)) for inventory in found.inventories]
         transfers: list[RangeTransfer] = []
+        made: MadeLoadPlan | None = None  # this rank's load plan, once the reads were planned: DCP's load takes it
+
+        def plan_reads(lacking: set[str]) -> Ranges:
+            nonlocal made
+            metadata = SnapshotReader(folder).read_metadata()
+            made = make_load_plan(dicts, metadata)
+            return planned_reads(metadata, made, lacking)
+
         if any(lacking):  # alike on every rank; one node, or two whose copies completed, hold every file
             mine = lacking[self._leaders.index(self.leader)]
-            reads = self._ranks.each(
-                lambda: planned_reads(folder, dicts, mine), f"planning the reads of step {record.step}'s snapshot"
-            )
+            reads = self._ranks.each(lambda: plan_reads(mine), f"planning the reads of step {record.step}'s snapshot")
             by_node: list[Ranges] = [{} for _ in self._leaders]
             for rank, ranges in enumerate(reads):
                 node = by_node[self._leaders.index(self._leader_of[rank])]
@@ -383,7 +387,15 @@ class MemorySnapshots:
                 f"gathering the parts of step {record.step}'s snapshot that the ranks read",
             )
         load_folder(
-            self._ranks, source, record.step, state, record.world_size, SnapshotReader, prepare=prepare, dicts=dicts
+            self._ranks,
+            source,
+            record.step,
+            state,
+            record.world_size,
+            SnapshotReader,
+            prepare=prepare,
+            dicts=dicts,
+            load_plan=made,
         )
         if transfers and self.is_leader:  # every rank's read ended before the load's last collective
             shutil.rmtree(source, ignore_errors=True)

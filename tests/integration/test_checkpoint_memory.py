@@ -183,7 +183,16 @@ def load_after_loss(rank: int, world_size: int, disk: str, node_dirs: list[str],
 
 
 def load_counting_bytes(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
-    """load_after_loss from memory, with the bytes the load says it sent between nodes."""
+    """load_after_loss from memory, with the bytes the load says it sent between nodes and how many local load
+    plans DCP's planner made on this rank."""
+    from torch.distributed.checkpoint import default_planner
+
+    plans: list[int] = []
+    make_plan = default_planner.create_default_local_load_plan
+    default_planner.create_default_local_load_plan = lambda *args, **kwargs: (
+        plans.append(1),
+        make_plan(*args, **kwargs),
+    )[1]
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda entry: said.append(entry.getMessage())  # type: ignore[method-assign]
@@ -191,7 +200,7 @@ def load_counting_bytes(rank: int, world_size: int, disk: str, node_dirs: list[s
     logging.getLogger(memory.__name__).setLevel(logging.INFO)
     step, loaded = load_after_loss(rank, world_size, disk, node_dirs, True)
     sent = [int(re.search(r"; (\d+) bytes sent between nodes", line).group(1)) for line in said if "bytes sent" in line]
-    return step, loaded, sent
+    return step, loaded, sent, len(plans)
 
 
 def load_with_slow_leaders(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
@@ -240,7 +249,7 @@ def test_a_load_sends_a_new_node_only_what_its_ranks_read(tmp_path: Path) -> Non
     """4 ranks on 2 nodes snapshot into memory; node 1 is lost; 4 ranks load on node 0 and a new node 2. Node 2
     holds nothing: its ranks read all of the lost node's files and a few entries of node 0's (DCP spreads the
     replicated ones over the ranks' files). Only that is sent, with the metadata, not the four whole files, and
-    what loads is what was saved."""
+    what loads is what was saved. Each rank plans its reads once."""
     disk = str(tmp_path / "disk")
     nodes = [str(tmp_path / f"node{index}") for index in range(3)]
     for node in nodes:
@@ -253,9 +262,10 @@ def test_a_load_sends_a_new_node_only_what_its_ranks_read(tmp_path: Path) -> Non
     shutil.rmtree(nodes[1])
 
     loaded = run_ranks(4, load_counting_bytes, str(tmp_path / "empty"), [nodes[0], nodes[2]])
-    assert [step for step, _, _ in loaded] == [SNAPSHOT_STEP] * 4
+    assert [step for step, _, _, _ in loaded] == [SNAPSHOT_STEP] * 4
     assert_identical(loaded[0][1], expected)
-    sent = {said[0] for _, _, said in loaded}
+    assert [plans for _, _, _, plans in loaded] == [1] * 4, "the reads to gather and DCP's load share one plan"
+    sent = {said[0] for _, _, said, _ in loaded}
     assert len(sent) == 1, f"the ranks disagree on what was sent: {sent}"
     (sent_bytes,) = sent
     metadata = (own / METADATA).stat().st_size
