@@ -248,6 +248,10 @@ def run(main: Callable[..., Result], *args, **kwargs) -> Result:
     from elastic import process_groups
 
     process_groups.track_group_sockets()
+    # what the script built before `run` (its imports, data, device) lives as long as the worker: frozen out of the
+    # collector's sight, the collection at each round change walks only what `main` built (a warm worker's
+    # zygote froze its torch imports the same way)
+    gc.freeze()
     link.start()
     channel.round_check = link.check
     if os.environ.pop(STANDBY_ENV, None) is not None:
