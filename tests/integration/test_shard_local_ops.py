@@ -91,6 +91,20 @@ CLIPPINGS = {  # the clipping, its norm, and whether a replicated parameter join
 }
 
 
+def take_over_counting_what_is_left() -> list[str]:
+    """Take the step ops over; the list names each call that a handler then leaves to DTensor, as they come."""
+    left: list[str] = []
+    dtensors_way = shard_local_ops._dtensors_way
+
+    def counted(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], handler: Any) -> Any:
+        left.append(str(op))
+        return dtensors_way(op, args, kwargs, handler)
+
+    shard_local_ops._dtensors_way = counted
+    shard_local_ops.take_over_step_ops()
+    return left
+
+
 def clipped(rank: int, world_size: int) -> dict[str, Any]:
     """Each clipping of `sharded_model`'s gradients by DTensor's way and then on the shards: total norms and local
     gradients, and the clipping ops that went to DTensor all the same."""
@@ -112,15 +126,7 @@ def clipped(rank: int, world_size: int) -> dict[str, Any]:
         return total, [param.grad.to_local().clone() for param in params]
 
     torchs = {name: clip(name) for name in CLIPPINGS}
-    left_to_dtensor: list[str] = []
-    dtensors_way = shard_local_ops._dtensors_way
-
-    def counted(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], handler: Any) -> Any:
-        left_to_dtensor.append(str(op))
-        return dtensors_way(op, args, kwargs, handler)
-
-    shard_local_ops._dtensors_way = counted
-    shard_local_ops.take_over_step_ops()
+    left_to_dtensor = take_over_counting_what_is_left()
     ours = {name: clip(name) for name in CLIPPINGS}
     handlers = DTensor._op_dispatcher._custom_op_handlers
     taken_over = sorted(str(op) for op in handlers if handlers[op].__module__ == shard_local_ops.__name__)
@@ -169,15 +175,7 @@ def elementwise_both_ways(rank: int, world_size: int) -> dict[str, Any]:
         "sum with alpha": lambda: torch.add(matrix, row, alpha=2),
     }
     torchs = {name: call() for name, call in calls.items()}
-    left: list[str] = []
-    dtensors_way = shard_local_ops._dtensors_way
-
-    def counted(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], handler: Any) -> Any:
-        left.append(str(op))
-        return dtensors_way(op, args, kwargs, handler)
-
-    shard_local_ops._dtensors_way = counted
-    shard_local_ops.take_over_step_ops()
+    left = take_over_counting_what_is_left()
     ours = {name: call() for name, call in calls.items()}
     same = {
         name: torchs[name]._spec == ours[name]._spec and torch.equal(torchs[name].to_local(), ours[name].to_local())
