@@ -203,9 +203,7 @@ def _elementwise_on_replicas(op: Any, args: tuple[Any, ...], kwargs: dict[str, A
     tensors = [operand for operand in operands if isinstance(operand, torch.Tensor)]
     first = tensors[0] if tensors else None
     if not isinstance(first, DTensor) or not all(
-        isinstance(tensor, DTensor)
-        and tensor.device_mesh == first.device_mesh
-        and all(placement.is_replicate() for placement in tensor.placements)
+        isinstance(tensor, DTensor) and tensor.device_mesh == first.device_mesh and _replicated(tensor)
         for tensor in tensors
     ):
         return _dtensors_way(op, args, kwargs, _elementwise_on_replicas)
@@ -255,4 +253,9 @@ def _scalar(tensor: Any) -> bool:
     """A 0-dim tensor whose whole value every rank holds: a plain one, or a replicated DTensor."""
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != 0:
         return False
-    return not isinstance(tensor, DTensor) or all(placement.is_replicate() for placement in tensor.placements)
+    return not isinstance(tensor, DTensor) or _replicated(tensor)
+
+
+def _replicated(tensor: DTensor) -> bool:
+    """Every rank holds the whole value."""
+    return all(placement.is_replicate() for placement in tensor.placements)

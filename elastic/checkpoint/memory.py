@@ -361,16 +361,16 @@ class MemorySnapshots:
         lacking = [set(record.files) - set(inventory.held(record)) for inventory in found.inventories]
         transfers: list[RangeTransfer] = []
         made: MadeLoadPlan | None = None  # this rank's load plan, once the reads were planned: DCP's load takes it
-
-        def plan_reads(lacking: set[str]) -> Ranges:
-            nonlocal made
-            metadata = SnapshotReader(folder).read_metadata()
-            made = make_load_plan(dicts, metadata)
-            return planned_reads(metadata, made, lacking)
-
         if any(lacking):  # alike on every rank; one node, or two whose copies completed, hold every file
             mine = lacking[self._leaders.index(self.leader)]
-            reads = self._ranks.each(lambda: plan_reads(mine), f"planning the reads of step {record.step}'s snapshot")
+
+            def plan_reads() -> Ranges:
+                nonlocal made
+                metadata = SnapshotReader(folder).read_metadata()
+                made = make_load_plan(dicts, metadata)
+                return planned_reads(metadata, made, mine)
+
+            reads = self._ranks.each(plan_reads, f"planning the reads of step {record.step}'s snapshot")
             by_node: list[Ranges] = [{} for _ in self._leaders]
             for rank, ranges in enumerate(reads):
                 node = by_node[self._leaders.index(self._leader_of[rank])]

@@ -78,14 +78,12 @@ def _layout_of(fqn: str, value: Any) -> Hashable | None:
     entry, and for a DTensor whose local tensor makes its own items."""
     if not isinstance(value, DTensor):
         return None
-    grad_enabled = torch.is_grad_enabled()
-    with torch.no_grad():
-        local = value.to_local()  # without grad, the local tensor itself: no autograd node
+    local = value._local_tensor  # what `to_local()` returns without grad, with no autograd node made
     if hasattr(local, "__create_write_items__"):
         return None
     # DCP takes the properties of `to_local()` in the caller's grad mode: with grad, a view requiring what the
     # DTensor requires
-    requires_grad = value.requires_grad if grad_enabled else local.requires_grad
+    requires_grad = value.requires_grad if torch.is_grad_enabled() else local.requires_grad
     return (
         fqn,
         value.device_mesh,
