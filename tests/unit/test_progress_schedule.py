@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR, StepLR
+from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LinearLR, SequentialLR, StepLR
 
 from elastic.schedule import GlobalStepLR, SchedulerFactory, WarmupCosineConfig, warmup_cosine, warmup_cosine_factor
 
@@ -103,3 +103,22 @@ def test_warmup_cosine_shape() -> None:
 def test_warmup_longer_than_the_run_is_refused() -> None:
     with pytest.raises(ValidationError, match="warmup_steps .* exceeds total_steps"):
         WarmupCosineConfig(total_steps=5, warmup_steps=6)
+
+
+def test_a_lambda_schedule_is_positioned_without_replaying_its_steps() -> None:
+    """LambdaLR's learning rate is base lr x lambda(step): positioning at step 1,000,000 asks lambda about that
+    step once, not a million times, and gives the rate its millionth step gives."""
+    config = WarmupCosineConfig(total_steps=2_000_000, warmup_steps=1000)
+    asked: list[int] = []
+
+    def factor(step: int) -> float:
+        asked.append(step)
+        return warmup_cosine_factor(config, step)
+
+    schedule = GlobalStepLR(fresh_optimizer(), lambda optimizer: LambdaLR(optimizer, factor))
+    asked.clear()
+    schedule.set_step(1_000_000)
+    assert len(asked) <= 2 * len(schedule.optimizer.param_groups) + 2, len(asked)  # the rebuild, then one step
+    assert asked[-1] == 1_000_000
+    assert schedule.current_lrs() == [base * factor(1_000_000) for base in schedule.base_lrs]
+    assert schedule.scheduler.last_epoch == 1_000_000
