@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from elastic.checkpoint.aside import UNREADABLE, set_aside
@@ -136,7 +137,7 @@ def load_folder(
     prepare: Callable[[], object] | None = None,
     dicts: dict[str, Any] | None = None,
     load_plan: MadeLoadPlan | None = None,
-) -> None:
+) -> Metadata:
     """Load the DCP checkpoint of ``step`` in ``folder`` (a committed step-<N>, or a snapshot in memory, read
     with its own ``reader``) into ``state``, in place, at this world size. Whether each entry is loaded or
     regenerated from ``step`` is decided alike on every rank (entry_rules.py) from every rank's view of it and
@@ -145,7 +146,8 @@ def load_folder(
     on every rank (a snapshot's files gathered into ``folder``); a failure there or in reading the metadata
     raises RankFailure on every rank. One collective before DCP's load: at a change of round each costs every
     rank a wait for the slowest (about 13 ms at 6 ranks on 2 cores). ``dicts``: ``state_dicts(state)``, where the
-    caller has them already; ``load_plan``: this rank's local plan for them, where the caller made it already."""
+    caller has them already; ``load_plan``: this rank's local plan for them, where the caller made it already.
+    Returns the checkpoint's metadata."""
     if dicts is None:
         dicts = state_dicts(state)
     saved_keys: dict[str, list[str]] = {}
@@ -191,6 +193,7 @@ def load_folder(
             getattr(state[name], REGENERATE_METHOD)(step)
             if ranks.rank == 0:
                 logger.warning("%s %s; regenerated %r from global step %d", folder, decision.reason, name, step)
+    return storage.read_metadata()
 
 
 def _load_each_rank_alone(

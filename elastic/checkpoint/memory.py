@@ -12,8 +12,9 @@ folder holds::
     load/step-<N>/     while a load that receives ranges runs: links to the whole files the node holds, and
                        sparse files holding the received ranges; removed once every rank read it
 
-A round's first snapshot is planned by DCP across the ranks; the next ones reuse that plan while every rank's
-state keeps its layout (snapshot_plans.py): two collectives a snapshot, one before the writes (the leaders
+A round's first snapshot is planned by DCP across the ranks, unless the round loaded a snapshot saved at its world
+size, whose plan every rank's state still fits; the next ones reuse the plan while every rank's state keeps its
+layout (snapshot_plans.py): two collectives a snapshot, one before the writes (the leaders
 prepared the folders, and every rank says whether the plan still fits it) and one after (every rank wrote, and
 the write results, from which each leader completes the metadata).
 After a save, the leader of each node (its lowest rank) sends its node's data files to the leader of the next node
@@ -72,7 +73,7 @@ from elastic.checkpoint.snapshot_format import (
     filled_in_place,
     mapped_file,
 )
-from elastic.checkpoint.snapshot_plans import RecordingPlanner, ShardItems, SnapshotPlan, local_plan
+from elastic.checkpoint.snapshot_plans import RecordingPlanner, ShardItems, SnapshotPlan, local_plan, plan_of_saved
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +258,7 @@ class MemorySnapshots:
         self._room = (True, True)  # whether the last copy had room here, and on the next node
         self._plan: SnapshotPlan | None = None  # the last snapshot's plan, for the next one if it fits every rank
         self._shard_items: ShardItems = {}  # the last local plan's DTensor write items, for the next local plan
+        self._loaded: Metadata | None = None  # the snapshot this round loaded, if saved at its world size
 
     @property
     def nodes(self) -> int:
@@ -271,10 +273,13 @@ class MemorySnapshots:
         folder = self._own(step)
         state_dict = state_dicts(state)
         planner, fits = None, False
-        if self._plan is not None:  # a round's first snapshot plans in DCP: no local plan to compare with
+        if self._plan is not None or self._loaded is not None:  # else DCP plans: no plan to compare with
             planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0, known=self._shard_items)
             self._shard_items = planner.shard_items
-            fits = self._plan.fits(planner)
+            if self._loaded is not None:  # the round's first snapshot: the plan the loaded one was written with
+                self._plan = plan_of_saved(planner, self._loaded, self._ranks.rank)
+                self._loaded = None
+            fits = self._plan is not None and self._plan.fits(planner)
 
         def prepare() -> tuple[bool, str | None]:
             self._prepare(folder)
@@ -386,7 +391,7 @@ class MemorySnapshots:
                 lambda: self._receive_ranges(record, folder, source, transfers),
                 f"gathering the parts of step {record.step}'s snapshot that the ranks read",
             )
-        load_folder(
+        loaded = load_folder(
             self._ranks,
             source,
             record.step,
@@ -397,6 +402,8 @@ class MemorySnapshots:
             dicts=dicts,
             load_plan=made,
         )
+        if record.world_size == self._ranks.world_size and self._plan is None:
+            self._loaded = loaded  # its files are named by the ranks that wrote them: data_file
         if transfers and self.is_leader:  # every rank's read ended before the load's last collective
             shutil.rmtree(source, ignore_errors=True)
         logger.info(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -67,9 +68,15 @@ def filled_in_place(path: Path, size: int, ranges: Iterable[tuple[int, int]] | N
     return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8) if size else _EMPTY
 
 
+def storage_of(rank: int) -> _StoragePrefix:
+    """The storage data DCP's global plan gives rank ``rank``'s plan (FileSystemWriter.prepare_global_plan): the
+    prefix of the file it writes."""
+    return _StoragePrefix(f"__{rank}_")
+
+
 def data_file(rank: int) -> str:
     """The file that rank ``rank`` of the saving group writes its items to."""
-    return f"__{rank}_0.distcp"
+    return f"{storage_of(rank).prefix}0.distcp"
 
 
 class MappedFiles:
@@ -114,7 +121,7 @@ class SnapshotWriter(FileSystemWriter):
         self._files = files
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = f"{plan.storage_data.prefix}0.distcp"  # DCP's prefix of the plan of rank i is "__{i}_": data_file(i)
+        name = f"{plan.storage_data.prefix}0.distcp"  # rank i's plan has storage_of(i): data_file(i)
         placed: list[tuple[WriteItem, torch.Tensor, int]] = []
         end = 0
         for item in plan.items:

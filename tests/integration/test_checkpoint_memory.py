@@ -408,6 +408,74 @@ def test_a_snapshot_reuses_the_last_ones_plan_while_the_layout_holds(tmp_path: P
     assert_identical(loaded, expected)
 
 
+def train_step_and_snapshot(model: torch.nn.Module, optimizer: Any, manager: Any, state: dict, step: int) -> None:
+    torch.manual_seed(100 * step + dist.get_rank())
+    model(torch.randn(4, 6)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert manager.should_save(step)
+    manager.save(step, state)
+
+
+def a_round_after_a_load(rank: int, world_size: int, disk: str, node_dirs: list[str], first: bool, extra: bool) -> Any:
+    """One rank per node. In the ``first`` round, snapshots of steps 1-2; in a later one, a load from memory and
+    snapshots of steps 3-4, rank 1's state with an entry more where ``extra``. How many snapshots DCP planned in
+    this round, the step loaded, and rank 0's model and optimizer at the end."""
+    os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
+    plans = []
+    save = memory.dcp.save
+    memory.dcp.save = lambda *args, **kwargs: (plans.append(1), save(*args, **kwargs))[1]
+    model, optimizer = sharded(seed=1 + rank)  # a load must set every value
+    manager = CheckpointManager(disk, keep=2, async_save=False, check_at_start=False, memory_every=1)
+    state: dict[str, Any] = {"model": ModelState(model, optimizer)}
+    loaded = manager.load_latest(state)
+    if extra and rank == 1:
+        state["tokens_seen"] = torch.tensor([300])
+    for step in (1, 2) if first else (3, 4):
+        train_step_and_snapshot(model, optimizer, manager, state, step)
+    manager.close()
+    expected = full_state(model, optimizer)
+    return len(plans), loaded, expected if rank == 0 else None
+
+
+@pytest.mark.timeout(240)
+def test_a_rounds_first_snapshot_takes_the_plan_of_the_snapshot_it_loaded(tmp_path: Path) -> None:
+    """At an unchanged world size and layout (a crashed worker replaced), a round's first snapshot is written with
+    the plan of the snapshot the round loaded, read from its metadata: DCP plans none of the round's snapshots,
+    and what they hold loads value for value. At another world size, or with an entry more on one rank, DCP plans
+    the round's first snapshot, as it does without a load."""
+    disk = str(tmp_path / "disk")
+    nodes = [str(tmp_path / f"node{index}") for index in range(3)]
+    for node in nodes:
+        Path(node).mkdir()
+    first = run_ranks(3, a_round_after_a_load, disk, nodes, True, False)
+    assert [(planned, loaded) for planned, loaded, _ in first] == [(1, None)] * 3
+
+    again = run_ranks(3, a_round_after_a_load, disk, nodes, False, False)
+    assert [(planned, loaded) for planned, loaded, _ in again] == [(0, 2)] * 3, "the loaded snapshot's plan"
+    step, reloaded = run_ranks(3, load_after_loss_one_per_node, disk, nodes)[0]
+    assert step == 4
+    assert_identical(reloaded, again[0][2])
+
+    with_extra = run_ranks(3, a_round_after_a_load, disk, nodes, False, True)
+    assert [(planned, loaded) for planned, loaded, _ in with_extra] == [(1, 4)] * 3, "rank 1 has an entry more"
+    fewer = run_ranks(2, a_round_after_a_load, disk, nodes[:2], False, False)
+    assert [(planned, loaded) for planned, loaded, _ in fewer] == [(1, 4)] * 2, "another world size"
+    step, reloaded = run_ranks(2, load_after_loss_one_per_node, disk, nodes[:2])[0]
+    assert step == 4
+    assert_identical(reloaded, fewer[0][2])
+
+
+def load_after_loss_one_per_node(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
+    os.environ[MEMORY_DIR_ENV] = node_dirs[rank]
+    model, optimizer = sharded(seed=1 + rank)
+    manager = CheckpointManager(disk, async_save=False, memory_every=1)
+    step = manager.load_latest({"model": ModelState(model, optimizer)})
+    manager.close()
+    loaded = full_state(model, optimizer)
+    return step, loaded if rank == 0 else None
+
+
 def save_two_steps(rank: int, world_size: int, disk: str, node: str, async_save: bool) -> list[int] | None:
     os.environ[MEMORY_DIR_ENV] = node
     model, optimizer = sharded(seed=0)
