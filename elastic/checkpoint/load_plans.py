@@ -6,17 +6,24 @@ to gather (memory.py), and DCP's load then plans them again. Each plan computes 
 of CPU per rank at every change of round, for a tiny model. DCP's load takes the first plan where it would make the
 same one: the same flat state, tensor for tensor, loaded from a checkpoint of exactly its keys (nothing missing,
 nothing left over, so neither strictness nor DCP's guess at a pre-2.4 checkpoint comes into it).
+
+A DTensor entry's reads depend only on its layout (snapshot_plans.dtensor_layout) and on the chunks the checkpoint
+holds of it, so a plan takes the read items of this process's last plan where both are the same: a worker
+elastic.run re-entered after a crash loads the same layouts, from a snapshot chunked as the last one it loaded.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+
+from elastic.checkpoint.snapshot_plans import dtensor_layout
 
 
 @dataclass(frozen=True)
@@ -48,12 +55,41 @@ def _sized(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or hasattr(value, "size")
 
 
+# The DTensor read items of the last load plan this process made, by the entry's layout and saved chunks
+_last_read_items: dict[Hashable, list[ReadItem]] = {}
+
+
 def make_load_plan(state_dict: dict[str, Any], metadata: Metadata) -> MadeLoadPlan:
     """This rank's local plan to load ``state_dict`` from the checkpoint of ``metadata``, as DCP's load makes it;
     entries the checkpoint lacks are left out."""
     planner = DefaultLoadPlanner(allow_partial_load=True)
     planner.set_up_planner(state_dict, metadata, is_coordinator=False)
-    return MadeLoadPlan(planner.create_local_plan(), dict(planner.state_dict))
+    saved = metadata.state_dict_metadata
+    if not saved.keys() <= planner.state_dict.keys():  # DCP may take it for a pre-2.4 checkpoint: it plans
+        return MadeLoadPlan(planner.create_local_plan(), dict(planner.state_dict))
+    global _last_read_items
+    known, _last_read_items = _last_read_items, {}
+    items: list[ReadItem] = []
+    for fqn, value in planner.state_dict.items():
+        if fqn not in saved:
+            continue
+        layout = _read_layout(fqn, value, saved[fqn])
+        made = known.get(layout) if layout is not None else None
+        if made is None:
+            made = create_default_local_load_plan({fqn: value}, metadata, strict=False).items
+        if layout is not None:
+            _last_read_items[layout] = made
+        items += made
+    return MadeLoadPlan(LoadPlan(items), dict(planner.state_dict))
+
+
+def _read_layout(fqn: str, value: Any, saved: STORAGE_TYPES) -> Hashable | None:
+    """What a DTensor entry's read items are made of: its layout and the chunks the checkpoint holds of it (in
+    their order, which their index hints follow); None for any other entry."""
+    layout = dtensor_layout(fqn, value)
+    if layout is None or not isinstance(saved, TensorStorageMetadata):
+        return None
+    return layout, saved.size, tuple((tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in saved.chunks)
 
 
 class ReusingLoadPlanner(DefaultLoadPlanner):

@@ -73,7 +73,7 @@ from elastic.checkpoint.snapshot_format import (
     filled_in_place,
     mapped_file,
 )
-from elastic.checkpoint.snapshot_plans import RecordingPlanner, ShardItems, SnapshotPlan, local_plan, plan_of_saved
+from elastic.checkpoint.snapshot_plans import RecordingPlanner, SnapshotPlan, local_plan, plan_of_saved
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +257,6 @@ class MemorySnapshots:
         self._copied: int | None = None  # the newest own step whose part reached the next node
         self._room = (True, True)  # whether the last copy had room here, and on the next node
         self._plan: SnapshotPlan | None = None  # the last snapshot's plan, for the next one if it fits every rank
-        self._shard_items: ShardItems = {}  # the last local plan's DTensor write items, for the next local plan
         self._loaded: Metadata | None = None  # the snapshot this round loaded, if saved at its world size
 
     @property
@@ -274,8 +273,7 @@ class MemorySnapshots:
         state_dict = state_dicts(state)
         planner, fits = None, False
         if self._plan is not None or self._loaded is not None:  # else DCP plans: no plan to compare with
-            planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0, known=self._shard_items)
-            self._shard_items = planner.shard_items
+            planner = local_plan(state_dict, is_coordinator=self._ranks.rank == 0)
             if self._loaded is not None:  # the round's first snapshot: the plan the loaded one was written with
                 self._plan = plan_of_saved(planner, self._loaded, self._ranks.rank)
                 self._loaded = None
@@ -444,7 +442,7 @@ class MemorySnapshots:
 
     def _write_and_plan(self, folder: Path, step: int, state_dict: dict[str, Any]) -> tuple[bytes, SnapshotRecord]:
         """Save with DCP, its plan agreed among the ranks, and keep the plan for the next snapshots."""
-        planner = RecordingPlanner(self._shard_items)
+        planner = RecordingPlanner()
         dcp.save(  # DCP's default planner, without DCP's plan caching: see elastic.checkpoint.saver
             state_dict,
             storage_writer=SnapshotWriter(folder, self._written),
@@ -462,7 +460,6 @@ class MemorySnapshots:
             describe, f"reading the metadata of the snapshot of step {step}", only_rank0=True
         )
         assert planner.local is not None and planner.agreed is not None, "DCP's save made and finished a plan"
-        self._shard_items = planner.shard_items
         self._plan = SnapshotPlan(planner.local, planner.agreed, pickle.loads(metadata))
         return metadata, record
 

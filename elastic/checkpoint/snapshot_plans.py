@@ -19,8 +19,9 @@ rank, and its first snapshot is then written as the next ones are, without DCP's
 Whether it fits is asked of the local plan, made every step. DCP makes a DTensor's write item from its shard's
 offsets, computed anew for each entry (`compute_local_shape_and_global_offset`: 0.3-0.6 ms an entry on a loaded
 CPU, most of a snapshot's own planning). The item depends only on the entry's name, its global shape and dtype,
-its mesh and placements, and its local tensor's properties, so a planner keeps the items of the last plan by
-those and makes only the entries whose layout it has not seen.
+its mesh, this rank's place in it and the placements, and its local tensor's properties, so a planner keeps the
+items of this process's last plan by those and makes only the entries whose layout it has not seen: in a worker
+elastic.run re-entered, the new round's first snapshot too.
 """
 
 from __future__ import annotations
@@ -46,26 +47,31 @@ from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint.snapshot_format import data_file, storage_of
 
-ShardItems = dict[Hashable, list[WriteItem]]  # a DTensor entry's write items, by its layout (`_layout_of`)
+ShardItems = dict[Hashable, list[WriteItem]]  # a DTensor entry's write items, by its layout (`dtensor_layout`)
+
+# The DTensor write items of the last local plan this process made without ``known``: the next one's, in its round
+# or in the next (a worker elastic.run re-entered builds the same layouts, and its mesh equals the last one's)
+_last_shard_items: ShardItems = {}
 
 
 class RecordingPlanner(DefaultSavePlanner):
     """DCP's default planner, remembering this rank's local plan and the plan the ranks agreed it writes. Its local
-    plan takes each DTensor entry's write items from ``known`` (the last plan's ``shard_items``) when the entry's
-    layout is the same."""
+    plan takes each DTensor entry's write items from ``known`` (by default, this process's last local plan's
+    ``shard_items``) when the entry's layout is the same."""
 
     def __init__(self, known: ShardItems | None = None) -> None:
         super().__init__()
         self.local: SavePlan | None = None
         self.agreed: SavePlan | None = None
-        self._known = known or {}
+        self._remembered = known is None
+        self._known = _last_shard_items if known is None else known
         self.shard_items: ShardItems = {}  # this plan's, for the next planner
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan (`create_default_local_save_plan`, DCP's plan caching off), entry by entry in order."""
         items: list[WriteItem] = []
         for fqn, value in self.state_dict.items():
-            layout = _layout_of(fqn, value)
+            layout = dtensor_layout(fqn, value)
             if layout is None:
                 items += create_default_local_save_plan({fqn: value}, self.is_coordinator).items
                 continue
@@ -74,6 +80,9 @@ class RecordingPlanner(DefaultSavePlanner):
                 made = create_default_local_save_plan({fqn: value}, self.is_coordinator).items
             self.shard_items[layout] = made
             items += made
+        if self._remembered:
+            global _last_shard_items
+            _last_shard_items = self.shard_items
         plan = SavePlan(items)
         if self.flatten_state_dict:
             plan = dataclasses.replace(plan, planner_data=self.mappings)
@@ -85,7 +94,7 @@ class RecordingPlanner(DefaultSavePlanner):
         return self.agreed
 
 
-def _layout_of(fqn: str, value: Any) -> Hashable | None:
+def dtensor_layout(fqn: str, value: Any) -> Hashable | None:
     """What a DTensor entry's write items are made of (DCP's `_create_write_items_for_dtensor`); None for any other
     entry, and for a DTensor whose local tensor makes its own items."""
     if not isinstance(value, DTensor):
@@ -98,7 +107,8 @@ def _layout_of(fqn: str, value: Any) -> Hashable | None:
     requires_grad = value.requires_grad if torch.is_grad_enabled() else local.requires_grad
     return (
         fqn,
-        value.device_mesh,
+        value.device_mesh,  # equal to another round's mesh of the same ranks, where this rank may have another place
+        value.device_mesh.get_coordinate(),
         tuple(value.placements),
         value.shape,
         local.dtype,
@@ -110,7 +120,7 @@ def _layout_of(fqn: str, value: Any) -> Hashable | None:
 
 def local_plan(state_dict: dict[str, Any], is_coordinator: bool, known: ShardItems | None = None) -> RecordingPlanner:
     """A planner set up for ``state_dict`` with this rank's local plan made, as DCP's save makes it, from the write
-    items ``known`` where an entry's layout is the same."""
+    items ``known`` (by default, this process's last plan's) where an entry's layout is the same."""
     planner = RecordingPlanner(known)
     planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=is_coordinator)
     planner.create_local_plan()

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from multiproc import run_ranks
 from small_tmpfs import small_tmpfs
 from test_checkpoint_reshard import assert_identical, full_state, sharded
@@ -184,15 +185,13 @@ def load_after_loss(rank: int, world_size: int, disk: str, node_dirs: list[str],
 
 def load_counting_bytes(rank: int, world_size: int, disk: str, node_dirs: list[str]) -> Any:
     """load_after_loss from memory, with the bytes the load says it sent between nodes and how many local load
-    plans DCP's planner made on this rank."""
+    plans this rank made: to gather the bytes (`make_load_plan`) and in DCP's planner."""
     from torch.distributed.checkpoint import default_planner
 
     plans: list[int] = []
-    make_plan = default_planner.create_default_local_load_plan
-    default_planner.create_default_local_load_plan = lambda *args, **kwargs: (
-        plans.append(1),
-        make_plan(*args, **kwargs),
-    )[1]
+    dcps, ours = default_planner.create_default_local_load_plan, memory.make_load_plan
+    default_planner.create_default_local_load_plan = lambda *args, **kwargs: (plans.append(1), dcps(*args, **kwargs))[1]
+    memory.make_load_plan = lambda *args, **kwargs: (plans.append(1), ours(*args, **kwargs))[1]
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda entry: said.append(entry.getMessage())  # type: ignore[method-assign]
@@ -349,6 +348,7 @@ def local_plans_through_layout_changes(rank: int, world_size: int) -> list[tuple
         ("another dtype", False, lambda: state.update(bias=state["bias"].to(torch.bfloat16))),
         ("planned without grad", True, lambda: None),
         ("an entry more", True, lambda: state.update(extra=distribute_tensor(wide, mesh, [Replicate()]))),
+        ("a new mesh of the same ranks (a new round)", True, lambda: state.update(on_a_new_mesh(state))),
     ]
     known: snapshot_plans.ShardItems = {}
     outcomes = []
@@ -366,6 +366,83 @@ def local_plans_through_layout_changes(rank: int, world_size: int) -> list[tuple
     return outcomes
 
 
+def on_a_new_mesh(state: dict[str, Any]) -> dict[str, Any]:
+    """The DTensors of ``state`` on a mesh made anew over the same ranks, as a new round's model has them."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {
+        name: DTensor.from_local(
+            value.to_local(), mesh, value.placements, shape=value.shape, stride=value.stride()
+        ).requires_grad_(value.requires_grad)
+        for name, value in state.items()
+        if isinstance(value, DTensor)
+    }
+
+
+def load_plans_through_layout_changes(rank: int, world_size: int, folder: str) -> list[tuple[str, bool, list[str]]]:
+    """Per change of a state's layout or of its checkpoint's chunks: whether load_plans' local plan, made from the
+    last plan's items, is DCP's, and which DTensor entries it had DCP plan anew."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from elastic.checkpoint import load_plans
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    rows = torch.randn(7, 3)  # uneven shards at 3 ranks
+    state: dict[str, Any] = {
+        "weight": distribute_tensor(rows, mesh, [Shard(0)]),
+        "bias": distribute_tensor(torch.randn(4), mesh, [Replicate()]),
+        "step": torch.tensor(3.0),
+        "note": "text",
+    }
+    dcp.save(state, checkpoint_id=f"{folder}/by-rows")
+    dcp.save({**state, "weight": distribute_tensor(rows, mesh, [Shard(1)])}, checkpoint_id=f"{folder}/by-columns")
+    by_rows, by_columns = (FileSystemReader(f"{folder}/{name}").read_metadata() for name in ("by-rows", "by-columns"))
+    made: list[str] = []
+    dcps = load_plans.create_default_local_load_plan
+
+    def counted(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        made.extend(fqn for fqn, value in state_dict.items() if isinstance(value, DTensor))
+        return dcps(state_dict, *args, **kwargs)
+
+    load_plans.create_default_local_load_plan = counted
+    changes = [
+        ("the first plan", by_rows, lambda: None),
+        ("the same layout and chunks", by_rows, lambda: None),
+        ("a new mesh of the same ranks (a new round)", by_rows, lambda: state.update(on_a_new_mesh(state))),
+        (
+            "resharded along another dim",
+            by_rows,
+            lambda: state.update(weight=distribute_tensor(rows, mesh, [Shard(1)])),
+        ),
+        ("a checkpoint chunked otherwise", by_columns, lambda: None),
+    ]
+    outcomes = []
+    for name, metadata, change in changes:
+        change()
+        made.clear()
+        ours = load_plans.make_load_plan(state, metadata)
+        dcp_planner = DefaultLoadPlanner(allow_partial_load=True)
+        dcp_planner.set_up_planner(state, metadata, is_coordinator=False)
+        outcomes.append((name, ours.plan == dcp_planner.create_local_plan(), sorted(made)))
+    load_plans.create_default_local_load_plan = dcps
+    return outcomes
+
+
+@pytest.mark.timeout(120)
+def test_a_load_plan_makes_anew_only_the_dtensors_whose_layout_or_chunks_changed(tmp_path: Path) -> None:
+    """A worker re-entered in a new round loads the same layouts from a snapshot chunked as the last one: its plan
+    takes the last plan's read items, and is DCP's plan item for item, at 3 ranks with uneven shards."""
+    for outcomes in run_ranks(3, load_plans_through_layout_changes, str(tmp_path)):
+        assert outcomes == [
+            ("the first plan", True, ["bias", "weight"]),
+            ("the same layout and chunks", True, []),
+            ("a new mesh of the same ranks (a new round)", True, []),
+            ("resharded along another dim", True, ["weight"]),
+            ("a checkpoint chunked otherwise", True, ["weight"]),
+        ]
+
+
 @pytest.mark.timeout(120)
 def test_a_local_plan_makes_anew_only_the_dtensors_whose_layout_changed() -> None:
     """A snapshot's local plan is made every step; DCP computes each DTensor's shard offsets for it again. Ours
@@ -381,6 +458,7 @@ def test_a_local_plan_makes_anew_only_the_dtensors_whose_layout_changed() -> Non
             ("another dtype", True, ["bias"]),
             ("planned without grad", True, ["trainable"]),
             ("an entry more", True, ["extra"]),
+            ("a new mesh of the same ranks (a new round)", True, []),
         ]
 
 
