@@ -7,9 +7,10 @@ of CPU per rank at every change of round, for a tiny model. DCP's load takes the
 same one: the same flat state, tensor for tensor, loaded from a checkpoint of exactly its keys (nothing missing,
 nothing left over, so neither strictness nor DCP's guess at a pre-2.4 checkpoint comes into it).
 
-A DTensor entry's reads depend only on its layout (snapshot_plans.dtensor_layout) and on the chunks the checkpoint
-holds of it, so a plan takes the read items of this process's last plan where both are the same: a worker
-elastic.run re-entered after a crash loads the same layouts, from a snapshot chunked as the last one it loaded.
+A tensor entry's reads depend only on its layout (snapshot_plans.entry_layout) and on the chunks the checkpoint
+holds of it, and an object's on its name, so a plan takes the read items of this process's last plan where those
+are the same: a worker elastic.run re-entered after a crash loads the same layouts, from a snapshot chunked as the
+last one it loaded.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.tensor import DTensor
 
-from elastic.checkpoint.snapshot_plans import dtensor_layout
+from elastic.checkpoint.snapshot_plans import OBJECT, entry_layout
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def _sized(value: Any) -> bool:
     return isinstance(value, torch.Tensor) or hasattr(value, "size")
 
 
-# The DTensor read items of the last load plan this process made, by the entry's layout and saved chunks
+# The read items of the last load plan this process made, by the entry's layout and saved chunks (`_read_layout`)
 _last_read_items: dict[Hashable, list[ReadItem]] = {}
 
 
@@ -84,10 +86,13 @@ def make_load_plan(state_dict: dict[str, Any], metadata: Metadata) -> MadeLoadPl
 
 
 def _read_layout(fqn: str, value: Any, saved: STORAGE_TYPES) -> Hashable | None:
-    """What a DTensor entry's read items are made of: its layout and the chunks the checkpoint holds of it (in
-    their order, which their index hints follow); None for any other entry."""
-    layout = dtensor_layout(fqn, value)
-    if layout is None or not isinstance(saved, TensorStorageMetadata):
+    """What an entry's read items are made of (DCP's `_create_read_items`): an object's, its name alone; a tensor's,
+    its layout and the chunks the checkpoint holds of it (in their order, which their index hints follow). None
+    for a value that makes its own chunks, and for a mismatch DCP's planner answers."""
+    if isinstance(saved, BytesStorageMetadata):
+        return None if isinstance(value, DTensor) else (fqn, OBJECT)
+    layout = entry_layout(fqn, value)
+    if layout is None or layout == (fqn, OBJECT):
         return None
     return layout, saved.size, tuple((tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in saved.chunks)
 

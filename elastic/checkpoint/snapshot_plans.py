@@ -19,9 +19,10 @@ rank, and its first snapshot is then written as the next ones are, without DCP's
 Whether it fits is asked of the local plan, made every step. DCP makes a DTensor's write item from its shard's
 offsets, computed anew for each entry (`compute_local_shape_and_global_offset`: 0.3-0.6 ms an entry on a loaded
 CPU, most of a snapshot's own planning). The item depends only on the entry's name, its global shape and dtype,
-its mesh, this rank's place in it and the placements, and its local tensor's properties, so a planner keeps the
-items of this process's last plan by those and makes only the entries whose layout it has not seen: in a worker
-elastic.run re-entered, the new round's first snapshot too.
+its mesh, this rank's place in it and the placements, and its local tensor's properties (a plain tensor's: on its
+shape and properties; any other value's: on its name), so a planner keeps the items of this process's last plan
+by those and makes only the entries whose layout it has not seen: in a worker elastic.run re-entered, the new
+round's first snapshot too.
 """
 
 from __future__ import annotations
@@ -47,42 +48,42 @@ from torch.distributed.tensor import DTensor
 
 from elastic.checkpoint.snapshot_format import data_file, storage_of
 
-ShardItems = dict[Hashable, list[WriteItem]]  # a DTensor entry's write items, by its layout (`dtensor_layout`)
+EntryItems = dict[Hashable, list[WriteItem]]  # an entry's write items, by its layout (`entry_layout`)
 
-# The DTensor write items of the last local plan this process made without ``known``: the next one's, in its round
-# or in the next (a worker elastic.run re-entered builds the same layouts, and its mesh equals the last one's)
-_last_shard_items: ShardItems = {}
+# The write items of the last local plan this process made without ``known``: the next one's, in its round or in
+# the next (a worker elastic.run re-entered builds the same layouts, and its meshes equal the last ones)
+_last_entry_items: EntryItems = {}
 
 
 class RecordingPlanner(DefaultSavePlanner):
     """DCP's default planner, remembering this rank's local plan and the plan the ranks agreed it writes. Its local
-    plan takes each DTensor entry's write items from ``known`` (by default, this process's last local plan's
-    ``shard_items``) when the entry's layout is the same."""
+    plan takes each entry's write items from ``known`` (by default, this process's last local plan's
+    ``entry_items``) when the entry's layout is the same."""
 
-    def __init__(self, known: ShardItems | None = None) -> None:
+    def __init__(self, known: EntryItems | None = None) -> None:
         super().__init__()
         self.local: SavePlan | None = None
         self.agreed: SavePlan | None = None
         self._remembered = known is None
-        self._known = _last_shard_items if known is None else known
-        self.shard_items: ShardItems = {}  # this plan's, for the next planner
+        self._known = _last_entry_items if known is None else known
+        self.entry_items: EntryItems = {}  # this plan's, for the next planner
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan (`create_default_local_save_plan`, DCP's plan caching off), entry by entry in order."""
         items: list[WriteItem] = []
         for fqn, value in self.state_dict.items():
-            layout = dtensor_layout(fqn, value)
+            layout = entry_layout(fqn, value)
             if layout is None:
                 items += create_default_local_save_plan({fqn: value}, self.is_coordinator).items
                 continue
             made = self._known.get(layout)
             if made is None:
                 made = create_default_local_save_plan({fqn: value}, self.is_coordinator).items
-            self.shard_items[layout] = made
+            self.entry_items[layout] = made
             items += made
         if self._remembered:
-            global _last_shard_items
-            _last_shard_items = self.shard_items
+            global _last_entry_items
+            _last_entry_items = self.entry_items
         plan = SavePlan(items)
         if self.flatten_state_dict:
             plan = dataclasses.replace(plan, planner_data=self.mappings)
@@ -94,31 +95,39 @@ class RecordingPlanner(DefaultSavePlanner):
         return self.agreed
 
 
-def dtensor_layout(fqn: str, value: Any) -> Hashable | None:
-    """What a DTensor entry's write items are made of (DCP's `_create_write_items_for_dtensor`); None for any other
-    entry, and for a DTensor whose local tensor makes its own items."""
-    if not isinstance(value, DTensor):
-        return None
-    local = value._local_tensor  # what `to_local()` returns without grad, with no autograd node made
-    if hasattr(local, "__create_write_items__"):
-        return None
-    # DCP takes the properties of `to_local()` in the caller's grad mode: with grad, a view requiring what the
-    # DTensor requires
-    requires_grad = value.requires_grad if torch.is_grad_enabled() else local.requires_grad
-    return (
-        fqn,
-        value.device_mesh,  # equal to another round's mesh of the same ranks, where this rank may have another place
-        value.device_mesh.get_coordinate(),
-        tuple(value.placements),
-        value.shape,
-        local.dtype,
-        local.layout,
-        requires_grad,
-        local.is_pinned(),
-    )
+def entry_layout(fqn: str, value: Any) -> Hashable | None:
+    """What an entry's write items are made of (DCP's `_create_write_items`): for a DTensor, its global shape, mesh,
+    this rank's place in it, placements and local tensor's properties; for a plain tensor, its shape and properties;
+    for any other object, its name alone (one item of pickled bytes). None for a value that makes its own items."""
+    if isinstance(value, DTensor):
+        local = value._local_tensor  # what `to_local()` returns without grad, with no autograd node made
+        if hasattr(local, "__create_write_items__"):
+            return None
+        # DCP takes the properties of `to_local()` in the caller's grad mode: with grad, a view requiring what the
+        # DTensor requires
+        requires_grad = value.requires_grad if torch.is_grad_enabled() else local.requires_grad
+        return (
+            fqn,
+            value.device_mesh,  # equal to another round's mesh of the same ranks, with this rank elsewhere in it
+            value.device_mesh.get_coordinate(),
+            tuple(value.placements),
+            value.shape,
+            local.dtype,
+            local.layout,
+            requires_grad,
+            local.is_pinned(),
+        )
+    if type(value) in (torch.Tensor, torch.nn.Parameter):
+        return fqn, value.shape, value.dtype, value.layout, value.requires_grad, value.is_pinned()
+    if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+        return None  # a tensor subclass, a ShardedTensor
+    return fqn, OBJECT
 
 
-def local_plan(state_dict: dict[str, Any], is_coordinator: bool, known: ShardItems | None = None) -> RecordingPlanner:
+OBJECT = "object"  # the layout of an entry DCP pickles
+
+
+def local_plan(state_dict: dict[str, Any], is_coordinator: bool, known: EntryItems | None = None) -> RecordingPlanner:
     """A planner set up for ``state_dict`` with this rank's local plan made, as DCP's save makes it, from the write
     items ``known`` (by default, this process's last plan's) where an entry's layout is the same."""
     planner = RecordingPlanner(known)

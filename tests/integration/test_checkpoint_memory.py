@@ -328,7 +328,7 @@ def local_plans_through_layout_changes(rank: int, world_size: int) -> list[tuple
     dcps = snapshot_plans.create_default_local_save_plan
 
     def counted(state_dict: dict[str, Any], is_coordinator: bool) -> Any:
-        made.extend(fqn for fqn, value in state_dict.items() if isinstance(value, DTensor))
+        made.extend(state_dict)
         return dcps(state_dict, is_coordinator)
 
     snapshot_plans.create_default_local_save_plan = counted
@@ -346,11 +346,12 @@ def local_plans_through_layout_changes(rank: int, world_size: int) -> list[tuple
         ("a larger shape", False, lambda: state.update(weight=distribute_tensor(torch.randn(8, 3), mesh, [Shard(0)]))),
         ("renamed", False, lambda: state.update(renamed=state.pop("weight"))),
         ("another dtype", False, lambda: state.update(bias=state["bias"].to(torch.bfloat16))),
+        ("a plain tensor of another shape", False, lambda: state["optimizer"].update(step=torch.tensor([3.0, 4.0]))),
         ("planned without grad", True, lambda: None),
         ("an entry more", True, lambda: state.update(extra=distribute_tensor(wide, mesh, [Replicate()]))),
         ("a new mesh of the same ranks (a new round)", True, lambda: state.update(on_a_new_mesh(state))),
     ]
-    known: snapshot_plans.ShardItems = {}
+    known: snapshot_plans.EntryItems = {}
     outcomes = []
     for name, no_grad, change in changes:
         change()
@@ -360,7 +361,7 @@ def local_plans_through_layout_changes(rank: int, world_size: int) -> list[tuple
             dcp_planner = DefaultSavePlanner()
             dcp_planner.set_up_planner(state, storage_meta=None, is_coordinator=rank == 0)
             dcps_plan = dcp_planner.create_local_plan()
-        known = ours.shard_items
+        known = ours.entry_items
         outcomes.append((name, ours.local == dcps_plan, sorted(made)))
     snapshot_plans.create_default_local_save_plan = dcps
     return outcomes
@@ -402,7 +403,7 @@ def load_plans_through_layout_changes(rank: int, world_size: int, folder: str) -
     dcps = load_plans.create_default_local_load_plan
 
     def counted(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        made.extend(fqn for fqn, value in state_dict.items() if isinstance(value, DTensor))
+        made.extend(state_dict)
         return dcps(state_dict, *args, **kwargs)
 
     load_plans.create_default_local_load_plan = counted
@@ -435,7 +436,7 @@ def test_a_load_plan_makes_anew_only_the_dtensors_whose_layout_or_chunks_changed
     takes the last plan's read items, and is DCP's plan item for item, at 3 ranks with uneven shards."""
     for outcomes in run_ranks(3, load_plans_through_layout_changes, str(tmp_path)):
         assert outcomes == [
-            ("the first plan", True, ["bias", "weight"]),
+            ("the first plan", True, ["bias", "note", "step", "weight"]),
             ("the same layout and chunks", True, []),
             ("a new mesh of the same ranks (a new round)", True, []),
             ("resharded along another dim", True, ["weight"]),
@@ -446,16 +447,18 @@ def test_a_load_plan_makes_anew_only_the_dtensors_whose_layout_or_chunks_changed
 @pytest.mark.timeout(120)
 def test_a_local_plan_makes_anew_only_the_dtensors_whose_layout_changed() -> None:
     """A snapshot's local plan is made every step; DCP computes each DTensor's shard offsets for it again. Ours
-    takes the items of the last plan for entries of the same name, shape, dtype, mesh, placements and grad, and is
-    DCP's plan item for item, at 3 ranks with uneven shards."""
+    takes the items of the last plan for entries of the same name, shape, dtype, mesh, placements and grad (plain
+    tensors: name, shape and properties; objects: name), and is DCP's plan item for item, at 3 ranks with uneven
+    shards."""
     for outcomes in run_ranks(3, local_plans_through_layout_changes):
         assert outcomes == [
-            ("the first plan", True, ["bias", "trainable", "weight"]),
+            ("the first plan", True, ["bias", "note", "optimizer.lr", "optimizer.step", "trainable", "weight"]),
             ("the same layout, other values", True, []),
             ("resharded along another dim", True, ["weight"]),
             ("a larger shape", True, ["weight"]),
             ("renamed", True, ["renamed"]),
             ("another dtype", True, ["bias"]),
+            ("a plain tensor of another shape", True, ["optimizer.step"]),
             ("planned without grad", True, ["trainable"]),
             ("an entry more", True, ["extra"]),
             ("a new mesh of the same ranks (a new round)", True, []),
