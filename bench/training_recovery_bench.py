@@ -394,15 +394,16 @@ def agents_note(job: Job) -> str:
 
 
 def print_report(results: list[Result], args: argparse.Namespace) -> None:
-    by_key = {(r.fault, r.variant): r for r in results}
     header = ["fault", *(VARIANT_NAMES[v] + ": s / back / paused / redone / world" for v in args.variants)]
     if len(args.variants) > 1:
         header += ["back: baseline / elastic-run", "paused: baseline / elastic-run"]
     rows = [header]
-    for fault in args.faults:
-        found = [by_key.get((fault, variant)) for variant in args.variants]
-        if all(r is None for r in found):
+    variants = len(args.variants)
+    for position, fault in enumerate(args.faults):  # a fault named twice is two scenarios: a row each
+        ran: list[Result | None] = list(results[position * variants : (position + 1) * variants])
+        if not ran:
             continue
+        found = ran + [None] * (variants - len(ran))
         row = [f"{fault} ({FAULTS[fault]})", *(cell(r, args.deadline) for r in found)]
         if len(args.variants) > 1:
             row += [ratio(*(r.back if r else None for r in found)), ratio(*(r.paused if r else None for r in found))]
