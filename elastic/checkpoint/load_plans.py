@@ -91,8 +91,8 @@ def _read_layout(fqn: str, value: Any, saved: STORAGE_TYPES) -> Hashable | None:
     for a value that makes its own chunks, and for a mismatch DCP's planner answers."""
     if isinstance(saved, BytesStorageMetadata):
         return None if isinstance(value, DTensor) else (fqn, OBJECT)
-    layout = entry_layout(fqn, value)
-    if layout is None or layout == (fqn, OBJECT):
+    layout = entry_layout(fqn, value) if isinstance(value, torch.Tensor) else None
+    if layout is None:
         return None
     return layout, saved.size, tuple((tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in saved.chunks)
 
