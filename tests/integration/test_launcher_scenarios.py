@@ -279,7 +279,9 @@ def test_a_node_stopped_as_a_new_round_starts_is_found_by_its_peers_stall(cluste
     stopped_at, again = crash_then_stop_as_the_next_round_starts(cluster, agents, full, victim_id)
 
     lost = cluster.events("node_lost")
-    assert [e["node"] for e in lost] == [victim_id] and PROBE_MISSED.fullmatch(lost[0]["reason"]), lost
+    assert [e["node"] for e in lost] == [victim_id] and PROBE_MISSED.fullmatch(lost[0]["reason"]), (
+        f"{lost}\n{cluster.dump()}"
+    )
     stalls = [e for e in cluster.events("workers_stalled") if stopped_at < e["time"] <= lost[0]["time"]]
     failed = [e for e in cluster.events("worker_failed") if stopped_at < e["time"] <= lost[0]["time"]]
     print(
