@@ -12,7 +12,8 @@ SINGLE_MEMBER_TIMING = ("--heartbeat-interval", "10", "--election-timeout", "100
 # measured per test from /proc/stat); the rest mostly wait, on leases, timeouts and etcd outages (0.7 cores).
 # pytest-xdist (addopts: -n 2 --dist loadgroup) runs the first kind one at a time on one worker, in one group,
 # while its second worker runs the rest beside them: two trainings never share the 2 cores, and the waiting no
-# longer leaves them idle.
+# longer leaves them idle. The framework tests (test_integrations_frameworks: 2 workers, one framework import each,
+# 0.65 cores by their processes' rusage) run on the second worker, which evens out the two workers' shares.
 BUSY_MODULES = {
     "test_checkpoint_foreign_state",
     "test_checkpoint_memory",
@@ -20,7 +21,6 @@ BUSY_MODULES = {
     "test_drain",
     "test_elastic_training",
     "test_inprocess_rounds",
-    "test_integrations_frameworks",
     "test_launcher_scenarios",
     "test_multihost_netns",
     "test_progress_train",
