@@ -133,7 +133,7 @@ def load_folder(
     step: int,
     state: dict[str, Any],
     saved_world_size: int | None,
-    reader: type[CheckpointReader] = CheckpointReader,
+    reader: Callable[[Path], CheckpointReader] = CheckpointReader,
     prepare: Callable[[], object] | None = None,
     dicts: dict[str, Any] | None = None,
     load_plan: MadeLoadPlan | None = None,

@@ -364,14 +364,15 @@ class MemorySnapshots:
         lacking = [set(record.files) - set(inventory.held(record)) for inventory in found.inventories]
         transfers: list[RangeTransfer] = []
         made: MadeLoadPlan | None = None  # this rank's load plan, once the reads were planned: DCP's load takes it
+        planned_from: Metadata | None = None  # and the metadata it was made from: the load reads it again
         if any(lacking):  # alike on every rank; one node, or two whose copies completed, hold every file
             mine = lacking[self._leaders.index(self.leader)]
 
             def plan_reads() -> Ranges:
-                nonlocal made
-                metadata = SnapshotReader(folder).read_metadata()
-                made = make_load_plan(dicts, metadata)
-                return planned_reads(metadata, made, mine)
+                nonlocal made, planned_from
+                planned_from = SnapshotReader(folder).read_metadata()
+                made = make_load_plan(dicts, planned_from)
+                return planned_reads(planned_from, made, mine)
 
             reads = self._ranks.each(plan_reads, f"planning the reads of step {record.step}'s snapshot")
             by_node: list[Ranges] = [{} for _ in self._leaders]
@@ -395,7 +396,7 @@ class MemorySnapshots:
             record.step,
             state,
             record.world_size,
-            SnapshotReader,
+            functools.partial(SnapshotReader, metadata=planned_from),
             prepare=prepare,
             dicts=dicts,
             load_plan=made,

@@ -27,9 +27,10 @@ from elastic.checkpoint.torch_internals import RecordView, storage_record_offset
 
 
 class CheckpointReader(FileSystemReader):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, metadata: Metadata | None = None, **kwargs: Any) -> None:
+        """``metadata``: the folder's, where the caller unpickled it already."""
         super().__init__(*args, **kwargs)
-        self._metadata: Metadata | None = None
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The folder's metadata, unpickled once by this reader: a load reads it to decide what it loads, and DCP
