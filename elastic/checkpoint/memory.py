@@ -364,7 +364,7 @@ class MemorySnapshots:
         lacking = [set(record.files) - set(inventory.held(record)) for inventory in found.inventories]
         transfers: list[RangeTransfer] = []
         made: MadeLoadPlan | None = None  # this rank's load plan, once the reads were planned: DCP's load takes it
-        planned_from: Metadata | None = None  # and the metadata it was made from: the load reads it again
+        planned_from: Metadata | None = None  # the metadata that plan was made from: DCP's load takes it as read
         if any(lacking):  # alike on every rank; one node, or two whose copies completed, hold every file
             mine = lacking[self._leaders.index(self.leader)]
 
