@@ -3,13 +3,6 @@
 One range read at start, then only the changes: an idle range costs etcd nothing. When the watch stream
 breaks (etcd restarted, a network blip) it is re-created from the revision after the last one applied, so
 no change is missed; if etcd compacted that history away, the range is read again whole.
-
-Every `RangeMirror` of one range on one client shares one `RangeWatch`: one read, one etcd watch and one copy
-of the range, however many owners there are. Processes that host many agents on one client
-(bench/rendezvous_host.py: 256 agents, each with its job's `state/ctl/` and a member bucket) would otherwise
-hold one watch per agent per range on one stream, and a stream that broke left each of its hundreds of watches
-to be re-created one at a time (etcd confirms one creation per stream at a time), while each resume started a
-thread from pyetcd's callback thread: one host's agents were left without a watch for minutes.
 """
 
 from __future__ import annotations
@@ -17,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import weakref
 
 from launcher.etcd import client as etcd_client
 from launcher.etcd.entry import Entry
@@ -27,9 +19,8 @@ logger = logging.getLogger(__name__)
 _RESUME_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 
 
-class RangeWatch:
-    """Every key under `prefix` with its value and mod revision, kept by one etcd watch; shared by the
-    `RangeMirror`s of the range on its client."""
+class RangeMirror:
+    """Every key under `prefix` with its value and mod revision; `wait` returns when something changed."""
 
     def __init__(self, client, prefix: str) -> None:
         self.client = client
@@ -37,30 +28,25 @@ class RangeWatch:
         self.revision = 0  # the newest etcd revision applied
         self.connected = False
         self._entries: dict[str, Entry] = {}
-        self.version = 0  # bumped on every change, so a reader knows whether to look again
-        # Protects _entries, revision, connected and version; re-entrant so a signal handler may poke a mirror.
-        self.changed = threading.Condition(threading.RLock())
-        self._starting = threading.Lock()
-        self._started = False
+        self._version = 0  # bumped on every change, so a reader knows whether to look again
+        # Protects _entries, revision, connected and _version; re-entrant so a signal handler may poke().
+        self._changed = threading.Condition(threading.RLock())
         self._watch_id = None
-        # each watch request gets the next generation; only an error of the newest one's stream means the range
+        # each watch request gets the next generation; only an error of the newest one's stream means the mirror
         # lost its watch (an older stream's end is already dealt with)
         self._generation = 0
         self._resuming = False
-        self.closed = False
+        self._closed = False
 
-    def start(self, deadline_s: float = 30.0) -> None:
-        """Read the range and watch it, once for all its owners; raises what the last attempt raised."""
-        with self._starting:
-            if not self._started:
-                etcd_client.call_with_retry(self._load_and_watch, deadline_s=deadline_s)
-                self._started = True
+    def start(self, deadline_s: float = 30.0) -> RangeMirror:
+        etcd_client.call_with_retry(self._load_and_watch, deadline_s=deadline_s)
+        return self
 
     def close(self) -> None:
-        with self.changed:
-            self.closed, self.connected = True, False
+        with self._changed:
+            self._closed, self.connected = True, False
             watch_id, self._watch_id = self._watch_id, None
-            self.changed.notify_all()
+            self._changed.notify_all()
         if watch_id is not None:
             # the client queues a cancel request for its stream thread, and blocks when a dead stream's queue is
             # full: an agent must be able to exit whatever state the stream is in
@@ -76,27 +62,43 @@ class RangeWatch:
 
     def snapshot(self) -> tuple[dict[str, Entry], int, int]:
         """(entries by key relative to the prefix, revision, version), consistent with each other."""
-        with self.changed:
-            return dict(self._entries), self.revision, self.version
+        with self._changed:
+            return dict(self._entries), self.revision, self._version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def wait(self, seen_version: int, timeout: float | None) -> int:
+        """Block until the version moves past `seen_version` or `timeout` passes; returns the version."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != seen_version or self._closed, timeout)
+            return self._version
+
+    def poke(self) -> None:
+        """Wake every waiter without a change (a signal arrived, a local deadline moved)."""
+        with self._changed:
+            self._version += 1
+            self._changed.notify_all()
 
     # -- etcd side -------------------------------------------------------------------------------------------
     def _load_and_watch(self) -> None:
         kvs, revision = self.client.read_prefix(self.prefix)
         entries = {kv.key.decode()[len(self.prefix) :]: Entry(kv.value, kv.mod_revision) for kv in kvs}
-        with self.changed:
+        with self._changed:
             self._entries, self.revision = entries, revision
             self._bump()
         self._watch()
 
     def _watch(self) -> None:
-        with self.changed:
+        with self._changed:
             self._generation += 1
             generation = self._generation
         watch_id = self.client.add_watch_prefix_callback(
             self.prefix, functools.partial(self._on_response, generation), start_revision=self.revision + 1
         )
-        with self.changed:
-            closed_meanwhile = self.closed
+        with self._changed:
+            closed_meanwhile = self._closed
             # its stream may have failed before etcd's confirmation reached us: then _lost_stream has taken over
             if not closed_meanwhile and generation == self._generation:
                 self._watch_id, self.connected = watch_id, True
@@ -109,7 +111,7 @@ class RangeWatch:
         if response is None or isinstance(response, Exception):  # None: pyetcd's word for a stream that just ended
             self._lost_stream(generation, response)
             return
-        with self.changed:
+        with self._changed:
             newest = self.revision
             for event in response.events:
                 full_key = event.key.decode()
@@ -130,12 +132,12 @@ class RangeWatch:
             self._bump()
 
     def _bump(self) -> None:
-        self.version += 1
-        self.changed.notify_all()
+        self._version += 1
+        self._changed.notify_all()
 
     def _lost_stream(self, generation: int, error: Exception | None) -> None:
-        with self.changed:
-            if self.closed:
+        with self._changed:
+            if self._closed:
                 return
             if generation != self._generation:
                 logger.debug("watch on %s: a replaced stream ended (%s)", self.prefix, error)
@@ -152,8 +154,8 @@ class RangeWatch:
     def _resume(self) -> None:
         attempt = 0
         while True:
-            with self.changed:
-                if self.closed:
+            with self._changed:
+                if self._closed:
                     self._resuming = False
                     return
             try:
@@ -166,101 +168,12 @@ class RangeWatch:
                     logger.debug("reloading %s failed: %s", self.prefix, exc)
             except Exception as exc:
                 logger.debug("resuming the watch on %s failed: %s", self.prefix, exc)
-            with self.changed:
+            with self._changed:
                 if self.connected:  # and its stream has not failed since: _lost_stream clears it first
                     self._resuming = False
                     break
             delay = _RESUME_BACKOFF_S[min(attempt, len(_RESUME_BACKOFF_S) - 1)]
             attempt += 1
-            with self.changed:
-                self.changed.wait_for(lambda: self.closed, delay)
+            with self._changed:
+                self._changed.wait_for(lambda: self._closed, delay)
         logger.debug("watch on %s resumed after revision %d", self.prefix, self.revision)
-
-
-class _SharedWatches:
-    """The `RangeWatch` of each range on each client, with how many mirrors hold it: the last to let go closes
-    it, and the next mirror of that range starts a new one."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_client: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def acquire(self, client, prefix: str) -> RangeWatch:
-        with self._lock:
-            watches = self._by_client.setdefault(client, {})
-            held = watches.get(prefix)
-            if held is None:
-                held = watches[prefix] = [RangeWatch(client, prefix), 0]
-            held[1] += 1
-            return held[0]
-
-    def release(self, watch: RangeWatch) -> None:
-        with self._lock:
-            watches = self._by_client.get(watch.client, {})
-            held = watches.get(watch.prefix)
-            if held is None or held[0] is not watch:
-                return
-            held[1] -= 1
-            if held[1] > 0:
-                return
-            del watches[watch.prefix]
-        watch.close()
-
-
-_SHARED = _SharedWatches()
-
-
-class RangeMirror:
-    """Every key under `prefix` with its value and mod revision; `wait` returns when something changed.
-
-    One owner's handle on its client's `RangeWatch` of the range, held from its making to `close`; `poke` and
-    `close` are the owner's own."""
-
-    def __init__(self, client, prefix: str) -> None:
-        self.client = client
-        self.prefix = prefix
-        self._range = _SHARED.acquire(client, prefix)
-        self._pokes = 0  # this owner's wake-ups without a change, counted into its version
-        self._closed = False
-
-    def start(self, deadline_s: float = 30.0) -> RangeMirror:
-        self._range.start(deadline_s)
-        return self
-
-    def close(self) -> None:
-        with self._range.changed:
-            if self._closed:
-                return
-            self._closed = True
-            self._range.changed.notify_all()  # this owner's waiters return
-        _SHARED.release(self._range)
-
-    @property
-    def connected(self) -> bool:
-        return self._range.connected and not self._closed
-
-    @property
-    def revision(self) -> int:
-        return self._range.revision
-
-    @property
-    def version(self) -> int:
-        return self._range.version + self._pokes
-
-    def snapshot(self) -> tuple[dict[str, Entry], int, int]:
-        """(entries by key relative to the prefix, revision, version), consistent with each other."""
-        with self._range.changed:
-            entries, revision, version = self._range.snapshot()
-            return entries, revision, version + self._pokes
-
-    def wait(self, seen_version: int, timeout: float | None) -> int:
-        """Block until the version moves past `seen_version` or `timeout` passes; returns the version."""
-        with self._range.changed:
-            self._range.changed.wait_for(lambda: self.version != seen_version or self._closed, timeout)
-            return self.version
-
-    def poke(self) -> None:
-        """Wake this owner's waiters without a change (a signal arrived, a local deadline moved)."""
-        with self._range.changed:
-            self._pokes += 1
-            self._range.changed.notify_all()
