@@ -91,15 +91,18 @@ class LeaseKeeper:
         on_lost: Callable[[], None],
         name: str = "lease-keepalive",
         routes: LeaseRoutes = etcd_client.LEASE_ROUTES,
+        granted_at: float | None = None,
     ) -> None:
+        """`granted_at`: when the lease's grant was asked for (monotonic; default now), from which etcd counts its
+        TTL until the first refresh."""
         self.lease = lease
         self.interval = interval
         self.on_lost = on_lost
         self.lost = False
         self._routes = routes
         self._lock = threading.Lock()
-        now = time.monotonic()
-        self._times = RefreshTimes(sent=now, confirmed=now, in_flight=0)  # granted counts as confirmed
+        granted = time.monotonic() if granted_at is None else granted_at
+        self._times = RefreshTimes(sent=granted, confirmed=granted, in_flight=0)  # the grant counts as a refresh
         self._busy: dict[str, float] = {}  # endpoint -> when the refresh it holds went out
         self._stop = threading.Event()
         self._answered = threading.Event()  # a refresh finished: the next check may be sooner

@@ -67,12 +67,19 @@ class Incarnation:
         the same lease and record, so that a registration that committed unanswered is recognised as ours, for
         up to join_timeout; a lease that ended meanwhile is replaced. `prepared`: how many of its workers wait
         in standby (launcher.workers.standby), which node_joined records."""
-        lease = record = None
+        lease = record = keeper = None
         failing_since: float | None = None
         while True:
             try:
                 if lease is None or record is None:
+                    asked_at = time.monotonic()
                     lease = store.grant_lease(config.rdzv.lease_ttl)
+                    # kept alive from its grant: a registration that a busy etcd takes seconds to commit must not
+                    # outlast the lease (at 1,024 simulated agents registering at once, some took 3 s and joined
+                    # with a lease that had just ended)
+                    keeper = LeaseKeeper(
+                        lease, config.rdzv.keep_alive_interval, on_lost, routes=routes, granted_at=asked_at
+                    ).start()
                     liveness.incarnation = lease.id
                     record = NodeRecord(
                         node=config.node_id,
@@ -86,23 +93,27 @@ class Incarnation:
                 store.register(record)
                 break
             except NodeIdTaken as exc:
-                assert record is not None, "a registration was tried"
+                assert record is not None and keeper is not None, "a registration was tried"
+                keeper.stop()
                 store.revoke(record.lease)
                 raise SystemExit(f"error: {exc}") from None
             except LeaseGone:
-                assert record is not None, "a registration was tried"
+                assert record is not None and keeper is not None, "a registration was tried"
                 logger.warning("lease %x ended before registration (a stalled etcd); registering again", record.lease)
+                keeper.stop()
                 lease = record = None
             except EtcdUnavailable as exc:
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > config.rdzv.join_timeout:
+                    if keeper is not None:
+                        keeper.stop()
                     raise SystemExit(
                         f"error: etcd {config.rdzv_endpoint or '(standalone)'} has not taken this node's "
                         f"registration for join_timeout={config.rdzv.join_timeout:g}s (last: {exc}); start the "
                         "node again once etcd answers"
                     ) from None
                 logger.warning("etcd did not take this node's registration (%s); asking again", exc)
-        keeper = LeaseKeeper(lease, config.rdzv.keep_alive_interval, on_lost, routes=routes).start()
+        assert keeper is not None, "registered under a kept lease"
         logger.info(
             "node %s (%s) joined job %s, lease %ds (refreshed every %gs)",
             config.node_id,

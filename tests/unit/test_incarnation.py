@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -109,3 +110,42 @@ def test_an_etcd_that_answers_no_read_before_joining_for_join_timeout_ends_the_a
         read_before_joining(_config(join_timeout=0.2), "the job's state", _SlowToAnswer(times=10**9))
     assert "etcd 127.0.0.1:2379 has not answered the job's state for join_timeout=0.2s" in str(ended.value)
     assert "\n" not in str(ended.value)
+
+
+class _SlowStore(_BusyStore):
+    """Takes `delay` seconds to commit a registration, as an etcd busy with a thousand others does."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(refusals=0)
+        self.delay = delay
+
+    def register(self, record) -> None:
+        time.sleep(self.delay)
+        super().register(record)
+
+
+class _CountingRoutes(_NoRoutes):
+    def __init__(self) -> None:
+        self.refreshed_at: list[float] = []
+
+    def refresh(self, lease, deadline, endpoint):
+        self.refreshed_at.append(time.monotonic())
+        return super().refresh(lease, deadline, endpoint)
+
+
+@pytest.mark.timeout(10)
+def test_a_lease_is_kept_alive_while_its_registration_waits_on_etcd():
+    """At 1,024 simulated agents registering at once, etcd took seconds to commit some registrations; their
+    keepers started after the commit and sent the first refresh an interval later, past the lease's TTL, and the
+    agents lost their membership a second after joining. The keeper now runs from the grant."""
+    routes = _CountingRoutes()
+    config = _config(join_timeout=60).model_copy(
+        update={"rdzv": RendezvousSettings(join_timeout=60, keep_alive_interval=0.1)}
+    )
+    asked = time.monotonic()
+    liveness = SimpleNamespace(port=1, incarnation=0)
+    me = Incarnation.register(_SlowStore(delay=0.5), config, "10.0.0.1", liveness, lambda: None, routes)
+    me.keeper.stop()
+    during = [at - asked for at in routes.refreshed_at if at - asked < 0.5]
+    assert len(during) >= 3, f"refreshes while the registration waited: {during}"
+    assert not me.keeper.lost
