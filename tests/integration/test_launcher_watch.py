@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from launcher.etcd import client as etcd_client
-from launcher.etcd.watch import RangeMirror, RangeWatch
+from launcher.etcd.watch import RangeMirror
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,7 +23,7 @@ def test_a_watch_resumed_far_behind_applies_every_replayed_batch(etcd):
         for i in range(2500):  # etcd sends at most 1,000 revisions per watch response, each with today's header
             client.put(f"/p/k{i:05d}", "v")
         client.delete("/p/k00007")
-        mirror = RangeWatch(client, "/p/")
+        mirror = RangeMirror(client, "/p/")
         mirror.revision = first - 1  # as if the stream broke just before the first put and resumed from there
         mirror._watch()
         deadline = time.monotonic() + 20
@@ -63,12 +63,12 @@ def test_a_watch_etcd_confirms_late_is_not_taken_for_another_mirrors(etcd):
     request is pending, so a watch abandoned at the call timeout handed its whole stream to the next one, whose
     mirror filled with another range's keys cut at the wrong length (`state/nodes/x` as `s/x`)."""
     client = etcd_client.connect(etcd.endpoint)
-    mirrors = [RangeWatch(client, "/j/state/"), RangeWatch(client, "/j/state/ctl/")]
+    mirrors = [RangeMirror(client, "/j/state/"), RangeMirror(client, "/j/state/ctl/")]
     try:
         RangeMirror(client, "/warm/").start().close()  # the watch stream is open before etcd stops
         failures: list[BaseException] = []
 
-        def start(mirror: RangeWatch) -> None:
+        def start(mirror: RangeMirror) -> None:
             try:
                 mirror._watch()  # what start() does after its range read
             except BaseException as exc:  # noqa: BLE001 - reported below
@@ -109,39 +109,34 @@ def _watchers(etcd) -> int:
     return int(float(line.split()[1]))
 
 
-def _wait_until(condition, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
+def _wait_until(condition, what: str, timeout: float) -> float:
+    """Seconds until `condition` held; fails the test past `timeout`."""
+    started = time.monotonic()
     while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        assert time.monotonic() - started < timeout, f"not within {timeout:.0f} s: {what}"
         time.sleep(0.05)
+    return time.monotonic() - started
 
 
-def test_the_mirrors_of_a_range_on_one_client_share_one_watch_which_resumes_for_all_of_them(etcd):
-    """A process hosting hundreds of agents on one client (bench/rendezvous_host.py: 256, each mirroring its
-    job's `state/ctl/` and its member bucket) held one watch per agent per range on one stream. When that stream
-    broke, each watch was re-created on its own, one at a time, and at 2,048 simulated agents one host's agents
-    were left without a watch for two minutes. Now etcd serves one watch per range, however many mirror it, and
-    a restart of etcd costs one resume per range."""
+def test_hundreds_of_watches_on_one_client_all_resume_after_etcd_restarts_and_leave_none_behind(etcd):
+    """A host of the rendezvous bench runs 256 agents on one client: 512 watches on one stream, which etcd re-creates
+    one at a time after the stream breaks (pyetcd and etcd's own Go client alike keep one creation pending per
+    stream). At 2,048 simulated agents one host's agents were without a watch for minutes after its stream broke.
+    Here, unloaded, every mirror is back within seconds, sees what changed meanwhile and after, and etcd serves no
+    watch left over from the broken stream or from a creation given up on."""
     client = etcd_client.connect(etcd.endpoint)
-    ranges = ["/s/ctl/", *(f"/s/bucket/{index}/" for index in range(8))]
-    mirrors = [RangeMirror(client, ranges[0]).start() for _ in range(200)]
-    mirrors += [RangeMirror(client, prefix).start() for prefix in ranges[1:] for _ in range(8)]
+    prefixes = ["/s/ctl/", *(f"/s/bucket/{index}/" for index in range(32))]
+    mirrors = [RangeMirror(client, prefixes[i % len(prefixes)]).start() for i in range(256)]
     try:
-        _wait_until(lambda: _watchers(etcd) == len(ranges), f"etcd serves one watch per range ({len(ranges)})")
+        _wait_until(lambda: _watchers(etcd) == len(mirrors), "etcd serves one watch per mirror", 15)
         etcd.process.kill()  # same ports, same data: the stream breaks and every mirror resumes where it was
         etcd.process.wait()
         etcd.start()
-        _wait_until(lambda: all(mirror.connected for mirror in mirrors), "every mirror is connected again")
-        for prefix in ranges:
+        _wait_until(lambda: all(mirror.connected for mirror in mirrors), "every mirror is connected again", 30)
+        for prefix in prefixes:
             client.put(f"{prefix}after", "restart")
-        _wait_until(lambda: all("after" in mirror.snapshot()[0] for mirror in mirrors), "every mirror sees the puts")
-        assert _watchers(etcd) == len(ranges)
-        for mirror in mirrors[1:200]:
-            mirror.close()
-        client.put("/s/ctl/later", "x")
-        _wait_until(lambda: "later" in mirrors[0].snapshot()[0], "the last mirror of a range keeps its watch")
-        mirrors[0].close()
-        _wait_until(lambda: _watchers(etcd) == len(ranges) - 1, "the range's watch ends with its last mirror")
+        _wait_until(lambda: all("after" in mirror.snapshot()[0] for mirror in mirrors), "every mirror sees it", 15)
+        _wait_until(lambda: _watchers(etcd) == len(mirrors), "no watch left behind", 15)
     finally:
         for mirror in mirrors:
             mirror.close()
