@@ -240,7 +240,9 @@ def crash_then_stop_as_the_next_round_starts(
         if in_long_operation is None or not later:
             return bool(later)
         heartbeat = later[min(later)] / "0" / "heartbeat"  # the round right after the crash
-        found = channel.read(heartbeat.read_bytes()) if heartbeat.is_file() else None
+        raw = heartbeat.read_bytes() if heartbeat.is_file() else b""
+        # the agent makes the file, then sizes it: a moment of it is empty
+        found = channel.read(raw) if len(raw) == channel.SIZE else None
         return found is not None and found.long_op is not None and found.long_op.name == in_long_operation
 
     stopped: list[int] = []
