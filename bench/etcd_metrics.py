@@ -38,6 +38,7 @@ class Sample:
     stream_handled: dict[str, float] = field(default_factory=dict)  # method -> streams ended
     proposals: float = 0.0
     sent_bytes: float = 0.0
+    watchers: float = 0.0  # watches etcd serves now (a gauge)
 
     def requests(self, exclude: tuple[str, ...] = ()) -> float:
         return sum(v for m, v in self.unary.items() if m not in exclude) + sum(
@@ -81,6 +82,8 @@ def scrape(endpoint: str, timeout: float = 10.0) -> Sample:
             sample.proposals = value
         elif name == "etcd_network_client_grpc_sent_bytes_total":
             sample.sent_bytes = value
+        elif name == "etcd_debugging_mvcc_watcher_total":
+            sample.watchers = value
     return sample
 
 

@@ -213,6 +213,17 @@ class Cluster:
                 pass
 
 
+def wait_until(predicate, timeout: float, what: str):
+    """`predicate`'s first true value, polled every 50 ms; fails the test past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            assert value, f"timed out after {timeout:.0f}s waiting for {what}"
+            return value
+        time.sleep(0.05)
+
+
 def membership_changes(log: list[dict]) -> list[dict]:
     """The log without training_progress: the events whose order a test can state exactly."""
     return [e for e in log if e["event"] != "training_progress"]

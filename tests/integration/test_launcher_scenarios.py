@@ -241,7 +241,7 @@ def crash_then_stop_as_the_next_round_starts(
             return bool(later)
         heartbeat = later[min(later)] / "0" / "heartbeat"  # the round right after the crash
         raw = heartbeat.read_bytes() if heartbeat.is_file() else b""
-        # the agent makes the file, then sizes it: a moment of it is empty
+        # the agent creates the file, then writes it (create_channel): for a moment it is empty
         found = channel.read(raw) if len(raw) == channel.SIZE else None
         return found is not None and found.long_op is not None and found.long_op.name == in_long_operation
 

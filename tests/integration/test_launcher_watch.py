@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
-import urllib.request
+from pathlib import Path
 
 import pytest
+from launcher_harness import wait_until
 
 from launcher.etcd import client as etcd_client
 from launcher.etcd.watch import RangeMirror
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import etcd_metrics  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,18 +109,7 @@ def test_a_watch_etcd_confirms_late_is_not_taken_for_another_mirrors(etcd):
 
 def _watchers(etcd) -> int:
     """etcd's own count of the watches it serves."""
-    metrics = urllib.request.urlopen(f"http://{etcd.endpoint}/metrics", timeout=5).read().decode()
-    (line,) = [line for line in metrics.splitlines() if line.startswith("etcd_debugging_mvcc_watcher_total ")]
-    return int(float(line.split()[1]))
-
-
-def _wait_until(condition, what: str, timeout: float) -> float:
-    """Seconds until `condition` held; fails the test past `timeout`."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, f"not within {timeout:.0f} s: {what}"
-        time.sleep(0.05)
-    return time.monotonic() - started
+    return int(etcd_metrics.scrape(etcd.endpoint, timeout=5).watchers)
 
 
 def test_hundreds_of_watches_on_one_client_all_resume_after_etcd_restarts_and_leave_none_behind(etcd):
@@ -128,15 +122,15 @@ def test_hundreds_of_watches_on_one_client_all_resume_after_etcd_restarts_and_le
     prefixes = ["/s/ctl/", *(f"/s/bucket/{index}/" for index in range(32))]
     mirrors = [RangeMirror(client, prefixes[i % len(prefixes)]).start() for i in range(256)]
     try:
-        _wait_until(lambda: _watchers(etcd) == len(mirrors), "etcd serves one watch per mirror", 15)
+        wait_until(lambda: _watchers(etcd) == len(mirrors), 15, "etcd serves one watch per mirror")
         etcd.process.kill()  # same ports, same data: the stream breaks and every mirror resumes where it was
         etcd.process.wait()
         etcd.start()
-        _wait_until(lambda: all(mirror.connected for mirror in mirrors), "every mirror is connected again", 30)
+        wait_until(lambda: all(mirror.connected for mirror in mirrors), 30, "every mirror is connected again")
         for prefix in prefixes:
             client.put(f"{prefix}after", "restart")
-        _wait_until(lambda: all("after" in mirror.snapshot()[0] for mirror in mirrors), "every mirror sees it", 15)
-        _wait_until(lambda: _watchers(etcd) == len(mirrors), "no watch left behind", 15)
+        wait_until(lambda: all("after" in mirror.snapshot()[0] for mirror in mirrors), 15, "every mirror sees it")
+        wait_until(lambda: _watchers(etcd) == len(mirrors), 15, "no watch left behind")
     finally:
         for mirror in mirrors:
             mirror.close()

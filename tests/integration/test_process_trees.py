@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher_harness import REPO
+from launcher_harness import REPO, wait_until
 
 from launcher.workers.process_tree import child_pids, descendant_pids, is_running, stop_group, supervised_command
 
@@ -47,16 +47,6 @@ def processes_mentioning(marker: str) -> list[int]:
         except OSError:
             continue
     return found
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            assert value, f"timed out after {timeout:.0f}s waiting for {what}"
-            return value
-        time.sleep(0.05)
 
 
 @pytest.fixture
