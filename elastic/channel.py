@@ -220,6 +220,11 @@ def read_seq(view) -> int:
     return _U64.unpack_from(view, OFF_SEQ)[0]
 
 
+def read_beats(view) -> int:
+    """The heartbeats the worker sent on this channel (a counter that only grows: no torn read misleads)."""
+    return _U64.unpack_from(view, OFF_BEAT)[0]
+
+
 def read(view) -> Snapshot | None:
     """A consistent snapshot of a mapped channel (seqlock); a torn one after a few tries: `seq` still tells."""
     raw = b""

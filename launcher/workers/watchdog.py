@@ -42,6 +42,7 @@ from launcher.workers.process_tree import (
     signal_group,
 )
 from launcher.workers.watchdog_rules import (
+    STALL_MIN_INTERVALS,
     STALL_MIN_S,
     Hang,
     NodeHistory,
@@ -71,8 +72,8 @@ class _Worker:
     spared: bool = False  # found hung, left alive: it runs under elastic.run and takes the next round in process
     # (seq, the pid read, its CPU seconds) when that seq was first seen: what a silence inside a long operation used
     cpu_mark: tuple[int, int, float | None] | None = None
-    # before its first heartbeat, (when, the pid read, its CPU seconds) at each poll of about the last STALL_MIN_S:
-    # whether its start-up works or waits now
+    # while no pace judges it, (when, the pid read, its CPU seconds) at each poll of about the last STALL_MIN_S:
+    # whether it works or waits now
     cpu_trail: deque[tuple[float, int, float]] = field(default_factory=deque)
 
 
@@ -233,8 +234,12 @@ class Watchdog:
         if worker.watch.seq is not None and (worker.cpu_mark is None or worker.cpu_mark[0] != worker.watch.seq):
             owner = self._owner(worker, process)
             worker.cpu_mark = (worker.watch.seq, owner, cpu_seconds(owner))
-        if not worker.started and policy.startup is not None:  # a start-up is watched (the script heartbeats)
+        # where no pace judges its silence yet (a start-up, a round's first steps on a node that showed none), whether
+        # it works or waits does: followed once its node's workers heartbeated in an earlier round
+        if policy.startup is not None and self._pace_unknown(worker):
             self._follow_cpu(worker, process, now)
+        else:
+            worker.cpu_trail.clear()
         silent = worker.watch.silent_for(now)
         if silent > min(policy.floor, STALL_MIN_S) and worker.watch.current() is None:
             worker.watch.snapshot = channel.read(worker.view)  # once per silence: nothing changed since
@@ -265,14 +270,15 @@ class Watchdog:
 
     def _cpu_share(self, worker: _Worker, process: WorkerProcess, now: float) -> float | None:
         """The share of a core the worker's process used, looked at only where silence alone does not tell work
-        from a wait on a stopped peer: inside a long operation (a save), since its last sign of life; before its
-        first heartbeat in the round (a start-up), over the last `STALL_MIN_S` (None: neither, or not known)."""
+        from a wait on a stopped peer: inside a long operation (a save), since its last sign of life; while no pace
+        judges it (a start-up, a round's first steps: `_pace_unknown`), over the last `STALL_MIN_S` (None: neither,
+        or not known)."""
         snapshot = worker.watch.current()
         if snapshot is None:
             return None
         if snapshot.long_op is None:
             trail = worker.cpu_trail
-            if snapshot.beats or not trail or trail[0][0] > now - STALL_MIN_S or trail[-1][0] <= trail[0][0]:
+            if not trail or trail[0][0] > now - STALL_MIN_S or trail[-1][0] <= trail[0][0]:
                 return None
             return (trail[-1][2] - trail[0][2]) / (trail[-1][0] - trail[0][0])
         if worker.cpu_mark is None:
@@ -283,6 +289,13 @@ class Watchdog:
             return None
         used = cpu_seconds(owner)
         return None if used is None else (used - then) / silent
+
+    def _pace_unknown(self, worker: _Worker) -> bool:
+        """Whether neither the worker (too few heartbeats in this round) nor its node's last round shows a step pace
+        to judge its silence by."""
+        if not worker.started:
+            return True
+        return not self.history.pace and channel.read_beats(worker.view) <= STALL_MIN_INTERVALS
 
     def _follow_cpu(self, worker: _Worker, process: WorkerProcess, now: float) -> None:
         """Sample a starting worker's CPU seconds, keeping the samples of the last `STALL_MIN_S` and the one

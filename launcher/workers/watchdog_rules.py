@@ -30,8 +30,11 @@ heartbeated in an earlier round (as for the start-up allowance), it counts once 
 of starting; inside a long operation it declared (the checkpoint load, whose reads are gathered from every rank),
 once silent past the stall allowance of the node's last pace and idle since the operation began. A peer stopped
 during the load held a chaos run's scale-up until its lease ended (3.8 s). A peer stopped as the round began holds
-every survivor there: before, only its lease's end found it (2.4-3.1 s). A start-up that waits on a slow peer (a
-joiner's start) costs a probe that every member answers.
+every survivor there: before, only its lease's end found it (2.4-3.1 s). So does a round's first step that waits
+where no pace is known yet (neither the worker's, one heartbeat in, nor its node's, whose last round ended too
+early to show one): a peer re-entered in process and stopped one step into the round held the survivors until its
+lease ended (10 s in a CI run). A start-up that waits on a slow peer (a joiner's start) costs a probe that every
+member answers.
 In a synchronous job that is how a stopped or frozen peer shows: its peers block in their next collective and
 nothing fails. The agent reports it (`launcher.rendezvous.decisions`, rule 7) and the controller
 probes the members that are not stalled; a stall costs a probe, never a restart. Inside a long operation silence
@@ -188,8 +191,9 @@ def stall_of(
     """A Stall when every one of a node's workers, given as (seconds silent, its channel as last read, None if
     unread since its last sign of life, and the share of a core its process used, None if not measured: inside a
     long operation since its last sign of life, while it starts over the last `STALL_MIN_S`), is silent past its
-    stall allowance (``pace_of``, with the node's ``prior`` pace; `STALL_MIN_S` for a start-up that waits), and
-    idle as well if it is inside a long operation."""
+    stall allowance (``pace_of``, with the node's ``prior`` pace; `STALL_MIN_S` for a start-up that waits, and for
+    a round's first steps that wait where neither shows a pace), and idle as well if it is inside a long
+    operation."""
     if not workers:
         return None
     long_op = None
@@ -203,6 +207,8 @@ def stall_of(
             allowed = stall_allowance(prior) if idle else None
         else:
             allowed = stall_allowance(pace_of(snapshot, prior))
+            if allowed is None and snapshot.long_op is None:  # no pace anywhere yet: judged as a start-up
+                allowed = STALL_MIN_S if idle else None
         if allowed is None or silent <= allowed:
             return None
         if snapshot.long_op is not None:

@@ -182,6 +182,11 @@ PACE = (0.1, 0.1, 0.12, 0.1)  # the node's step intervals in its last round
         ([(0.4, snapshot(9, 2, [0.1], step=2), None)], PACE, False),
         ([(0.7, snapshot(9, 2, [0.1], step=2), None)], (), False),  # no round showed a pace yet
         ([(0.7, snapshot(9, 1, [], step=1), None)], PACE, True),  # one step into it
+        # one step into it where no round showed a pace (the last one ended too early): judged as a start-up, by
+        # whether it waits over the last STALL_MIN_S; not while it works, nor before STALL_MIN_S
+        ([(0.7, snapshot(9, 1, [], step=0), 0.02), (0.7, snapshot(9, 2, [0.1], step=1), 0.0)], (), True),
+        ([(0.7, snapshot(9, 1, [], step=0), 0.6)], (), False),
+        ([(0.4, snapshot(9, 1, [], step=0), 0.0)], (), False),
         # not a step yet in this round (its start-up: loading, re-entering): judged by whether it waits (below)
         ([(0.7, snapshot(9, 0, []), None)], PACE, False),
         # its own pace, once it shows one: a slower world (0.4 s steps) allows 0.8 s
@@ -305,6 +310,46 @@ def test_starting_workers_are_stalled_once_they_wait_not_while_they_work(tmp_pat
         assert first_round.stall is None
     finally:
         writer.close()
+
+
+@pytest.mark.timeout(10)
+def test_a_rounds_first_step_that_waits_is_a_stall_where_no_pace_is_known(tmp_path):
+    """Survivors re-entered in process took a round's first step before their peer was stopped, then waited in
+    the second: one heartbeat shows no pace, and their node's last round (a crash right after it began) showed
+    none either, so nothing judged them until the peer's lease ended (10 s in a CI run). As in a start-up, their
+    CPU over the last STALL_MIN_S tells a wait from work."""
+    clock = FakeClock()
+    paths = [tmp_path / str(rank) / "heartbeat" for rank in range(2)]
+    history = NodeHistory()
+    history.record_startup(0.4)  # its workers heartbeated in an earlier round, too few times to show a pace
+    watchdog = Watchdog(AUTO, paths, clock=clock, history=history)
+    writers = [channel.open_channel(str(path), clock=clock, install_hooks=False) for path in paths]
+    running = [RunningProcess(), RunningProcess()]
+    try:
+        clock.now += 0.1
+        for writer in writers:
+            writer.beat(0)
+        watchdog.check(running)
+        for _ in range(3):  # 0.6 s at work in the next step: 0.2 CPU-s every 0.2 s
+            clock.now += 0.2
+            busy_until = time.process_time() + 0.2
+            while time.process_time() < busy_until:
+                pass
+            watchdog.check(running)
+        assert watchdog.stall is None, "silent for 0.6 s, but at work"
+        for _ in range(3):
+            clock.now += 0.2
+            watchdog.check(running)
+        assert watchdog.stall == Stall(seconds_silent=pytest.approx(1.2), last_step=0), "idle for 0.6 s"
+        for step in (1, 2):  # its own pace shown (2 intervals): judged by it, its CPU no longer followed
+            clock.now += 0.1
+            for writer in writers:
+                writer.beat(step)
+            watchdog.check(running)
+        assert watchdog.stall is None and not any(worker.cpu_trail for worker in watchdog.workers)
+    finally:
+        for writer in writers:
+            writer.close()
 
 
 @pytest.mark.timeout(10)
