@@ -107,9 +107,9 @@ class _RecordingWatchStub:
 
 
 class _CancellingWatcher(HookedWatcher):
-    """pyetcd's Watcher.close, which the client calls when it fails over, only half-closes the stream (and blocks
-    on a dead stream's full request queue): the watches on it stay on the old endpoint and their callbacks never
-    hear of it. Cancelling the call ends them with CANCELLED, so RangeMirror resumes them where the client is now."""
+    """pyetcd's Watcher.close, which the client calls when it fails over, only half-closes the stream: the watches
+    on it stay on the old endpoint and their callbacks never hear of it. Cancelling the call ends them with
+    CANCELLED, so RangeMirror resumes them where the client is now."""
 
     call = None
 
@@ -120,7 +120,7 @@ class _CancellingWatcher(HookedWatcher):
     def close(self) -> None:
         if self.call is not None:
             self.call.cancel()
-        self.end_requests()
+        super().close()
 
     def add_callback(self, key, callback, *args, **kwargs):
         """pyetcd hands etcd's confirmation of a new watch to whichever watch request is pending then: once one was

@@ -15,8 +15,9 @@ shape used here, so an upgrade is noticed in CI, not in a job that cannot fail o
   every call sends, a login token among them; `pyetcd.client.EtcdTokenCallCredentials` wraps a token.
 - Every unary call passes the client's `timeout` attribute, read at that moment, as its deadline: a property of
   ours in its place sets each call's own.
-- `Watcher._lock`, `_callback_thread`, `_stopping` and `_request_queue`: what `Watcher.close` touches; and the
-  watcher opens its stream with `watchstub.Watch(requests, credentials=..., metadata=...)`.
+- `Watcher._request_queue`: a stream's queue of requests, set by `Watcher.__init__` and anew when a stream ends (a
+  property of ours in its place makes each one unbounded); the watcher opens its stream with
+  `watchstub.Watch(requests, credentials=..., metadata=...)`.
 - `Watcher._handle_response(rs)` handles each response of the stream, and `_new_watch_cond` (on `_lock`) wakes the
   request waiting for its watch to be created.
 """
@@ -123,6 +124,18 @@ class HookedWatcher(pyetcd_watch.Watcher):
         super().__init__(*args, **kwargs)
         self._creating = threading.Lock()
 
+    @property
+    def _request_queue(self) -> queue.Queue:
+        return self._requests
+
+    @_request_queue.setter
+    def _request_queue(self, bounded: queue.Queue) -> None:
+        """pyetcd gives each stream a request queue bounded at 10, and puts into it holding `_lock`, also once the
+        stream ended and nothing takes from it: with 10 requests left there (cancels of watches closed as the
+        stream broke) the stream thread's last put blocks for good, and every caller of the lock with it (a
+        client's close hung in CI). Unbounded, no put blocks; a stream holds a few requests per watch at most."""
+        self._requests: queue.Queue = queue.Queue()
+
     def add_callback(self, *args: Any, **kwargs: Any) -> Any:
         """One watch created at a time, the others queued on a lock of their own. pyetcd also lets one creation
         pend at a time, but parks the others on the condition it notifies all of twice per creation: each
@@ -138,13 +151,3 @@ class HookedWatcher(pyetcd_watch.Watcher):
             # which then waits its whole timeout to raise RevisionCompactedError: wake it now
             with self._lock:
                 self._new_watch_cond.notify_all()
-
-    def end_requests(self) -> None:
-        """What `Watcher.close` does, without blocking on a dead stream's full request queue: tell the stream's
-        request iterator to end."""
-        with self._lock:
-            if self._callback_thread and not self._stopping:
-                try:
-                    self._request_queue.put_nowait(None)
-                except queue.Full:
-                    pass

@@ -5,7 +5,6 @@ our client, built on them, raises: the launcher's own errors."""
 from __future__ import annotations
 
 import inspect
-import queue
 import threading
 import time
 
@@ -180,18 +179,56 @@ def test_a_watch_created_in_compacted_history_is_refused_at_once():
         stub.done.set()
 
 
-def test_ending_the_requests_of_a_dead_stream_does_not_block():
-    watcher = HookedWatcher(RecordingStub(), timeout=0.5)
-    for attribute in ("_lock", "_callback_thread", "_stopping", "_request_queue"):
-        assert hasattr(watcher, attribute), f"pyetcd's watcher lost {attribute}: {UPDATE}"
-    assert isinstance(watcher._request_queue, queue.Queue) and watcher._request_queue.maxsize > 0, UPDATE
-    watcher._callback_thread = threading.current_thread()  # as if its stream thread ran, stuck on a dead stream
-    while not watcher._request_queue.full():
-        watcher._request_queue.put_nowait(object())
-    ended = threading.Thread(target=watcher.end_requests, daemon=True)
-    ended.start()
-    ended.join(timeout=5)
-    assert not ended.is_alive()
+class StreamBroken(grpc.RpcError):
+    pass
+
+
+class BreakingStub:
+    """A watch stream that confirms the first watch, takes no further request, and breaks once `broken` is set."""
+
+    def __init__(self) -> None:
+        self.broken = threading.Event()
+
+    def Watch(self, requests, credentials=None, metadata=None):
+        def responses():
+            next(requests)
+            yield etcdrpc.WatchResponse(created=True, watch_id=1)
+            self.broken.wait(10)
+            raise StreamBroken()
+
+        return responses()
+
+
+def finishes(call) -> bool:
+    """Whether `call` returns within 5 s (run on a thread of its own, left behind if it does not)."""
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout=5)
+    return not thread.is_alive()
+
+
+def test_a_stream_that_breaks_with_requests_left_in_its_queue_blocks_nobody():
+    """pyetcd's stream thread puts its end into the stream's request queue holding the watcher's lock; bounded at
+    10, a queue that nothing takes from any more held that put, the lock, and every caller of it for good: a
+    client's close, after 256 watches on one stream were closed as it broke, hung in CI."""
+    stub = BreakingStub()
+    watcher = HookedWatcher(stub, timeout=5)
+    errors: list = []
+    watcher.add_callback("k", lambda response: errors.append(response))
+
+    def cancel_many() -> None:  # cancels of watches closed meanwhile, which the stalled stream never takes
+        with watcher._lock:
+            for watch_id in range(2, 40):
+                watcher._cancel_no_lock(watch_id)
+
+    assert finishes(cancel_many), "a cancel waited on the full queue"
+    stub.broken.set()
+    assert finishes(watcher.close), "closing the watcher waited on its lock for good"
+    deadline = time.monotonic() + 5
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert errors and isinstance(errors[0], StreamBroken), "the stream's end reached its watch"
+    assert watcher._request_queue.maxsize == 0, "the next stream's queue is unbounded too"
 
 
 def test_our_client_raises_the_launcher_s_errors(etcd):
