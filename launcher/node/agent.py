@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -110,6 +111,9 @@ class Agent:
         self._parser = ViewParser(self.store.keys.state, self.store.keys.ctl)
         self.seat = ControllerSeat(self.store, config, self.log, self.node_id)
         self._fence_pending = False  # our workers were killed because etcd stopped confirming our lease
+        self._joined_at = time.monotonic()  # when the current incarnation registered
+        self._quick_losses = 0  # incarnations in a row lost soon after they registered (rules.lost_soon)
+        self._stopping = threading.Event()  # a signal: a wait before registering again ends
         # etcd writes that must not hold up the loop (a node cut off from etcd must still fence itself)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="etcd-writer")
         self.etcd_health = EtcdHealthLog(config.rdzv_endpoint)
@@ -160,6 +164,7 @@ class Agent:
         """Ask the agent to leave the job as if it had received `signum` (what the signal handler does)."""
         if self.signal_received is None:
             self.signal_received = signum
+        self._stopping.set()
         self.mirror.poke()
 
     def sync_log(self) -> None:
@@ -180,9 +185,34 @@ class Agent:
 
     def _join(self, prepared: int = 0) -> None:
         self._me = Incarnation.register(
-            self.store, self.config, self.addr, self.liveness, self.mirror.poke, self._lease_routes, prepared
+            self.store,
+            self.config,
+            self.addr,
+            self.liveness,
+            self.mirror.poke,
+            self._lease_routes,
+            prepared,
+            before_new_lease=self._registration_lost,
         )
+        self._joined_at = time.monotonic()
         self.seat.claim(self.me.lease.id)
+
+    def _registration_lost(self) -> None:
+        """A lease ended before its registration committed: an incarnation lost as soon as it could be."""
+        self._quick_losses += 1
+        self._wait_before_registering()
+
+    def _wait_before_registering(self) -> None:
+        """A random part of the rejoin spread (rules.rejoin_spread), or until a signal comes."""
+        spread = rules.rejoin_spread(self.config.max_nodes, self.config.rdzv.keep_alive_interval, self._quick_losses)
+        delay = random.uniform(0, spread)
+        if self._quick_losses:
+            logger.info(
+                "registering again in %.2fs (%d incarnation(s) in a row lost soon after registering)",
+                delay,
+                self._quick_losses,
+            )
+        self._stopping.wait(delay)
 
     # -- the loop --------------------------------------------------------------------------------------------
     def _loop(self) -> int:
@@ -374,6 +404,9 @@ class Agent:
         self.me.keeper.stop()
         self.run_ = None
         self._fence_pending = False  # that incarnation ends here: a pending fence would revoke the new one's lease
+        lived = time.monotonic() - self._joined_at
+        self._quick_losses = self._quick_losses + 1 if rules.lost_soon(lived, self.me.lease.ttl) else 0
+        self._wait_before_registering()
         self._join()
 
     def _leave(self, signum: int) -> int:

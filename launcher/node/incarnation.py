@@ -60,13 +60,15 @@ class Incarnation:
         on_lost: Callable[[], None],
         routes: LeaseRoutes,
         prepared: int = 0,
+        before_new_lease: Callable[[], None] | None = None,
     ) -> Incarnation:
         """Register a new incarnation of this node under a fresh lease, kept alive from now on.
 
         An etcd too busy to answer (it refuses with "too many requests" while it catches up) is asked again with
         the same lease and record, so that a registration that committed unanswered is recognised as ours, for
         up to join_timeout; a lease that ended meanwhile is replaced. `prepared`: how many of its workers wait
-        in standby (launcher.workers.standby), which node_joined records."""
+        in standby (launcher.workers.standby), which node_joined records. `before_new_lease`: called before a lease
+        that ended unregistered is replaced (the agent waits there, so that a herd spreads out; None: at once)."""
         lease = record = keeper = None
         failing_since: float | None = None
         while True:
@@ -102,6 +104,8 @@ class Incarnation:
                 logger.warning("lease %x ended before registration (a stalled etcd); registering again", record.lease)
                 keeper.stop()
                 lease = record = None
+                if before_new_lease is not None:
+                    before_new_lease()
             except EtcdUnavailable as exc:
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since > config.rdzv.join_timeout:

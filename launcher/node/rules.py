@@ -51,6 +51,13 @@ if TYPE_CHECKING:  # the rules import nothing of etcd: the view is only read her
 # controller key, so that thousands of agents do not all write at once when the controller dies.
 CLAIM_SPREAD_PER_MEMBER_S = 0.001
 CLAIM_SPREAD_MAX_S = 1.0
+# A node that lost its lease registers again after a random part of a spread that grows with the job (one etcd
+# stall can end every node's lease at once) and doubles for each incarnation in a row that ended soon after it
+# registered: at 2,048 simulated agents, registrations that each outlived their lease kept etcd too busy to
+# confirm the others' refreshes, and the job had not converged 4 minutes on.
+REJOIN_SPREAD_PER_NODE_S = 0.001
+REJOIN_SPREAD_MAX_INTERVALS = 8  # keep-alive intervals
+QUICK_LOSS_TTLS = 3  # an incarnation that ended within this many lease TTLs of registering was lost soon
 WARM_REFILL_AFTER_S = 0.2  # forks of the zygote: milliseconds of CPU, out of the way of the round's launch
 WARM_REFILL_RETRY_S = 0.5  # while the zygote still imports
 PROGRESS_EVERY_S = 10.0
@@ -203,6 +210,19 @@ def lifecycle(
 def claim_spread(members: int) -> float:
     """The most a standby waits, at random, before claiming a free controller key."""
     return min(CLAIM_SPREAD_MAX_S, CLAIM_SPREAD_PER_MEMBER_S * members)
+
+
+def rejoin_spread(max_nodes: int, keep_alive_interval: float, quick_losses: int) -> float:
+    """The most a node waits, at random, before registering again, after `quick_losses` incarnations in a row that
+    ended soon after they registered (0: its last one lived long)."""
+    first = min(keep_alive_interval, REJOIN_SPREAD_PER_NODE_S * max_nodes)
+    return min(REJOIN_SPREAD_MAX_INTERVALS * keep_alive_interval, first * 2**quick_losses)
+
+
+def lost_soon(lived_s: float, ttl: int) -> bool:
+    """Whether an incarnation that lived `lived_s` seconds under a lease of `ttl` seconds ended soon after it
+    registered."""
+    return lived_s < QUICK_LOSS_TTLS * ttl
 
 
 # -- one round --------------------------------------------------------------------------------------------------

@@ -265,6 +265,30 @@ def test_standby_controllers_spread_their_claims_by_the_size_of_the_round(member
     assert rules.claim_spread(members) == pytest.approx(spread)
 
 
+@pytest.mark.parametrize(
+    "max_nodes, interval, quick_losses, spread",
+    [
+        (3, 1.0, 0, 0.003),  # a small job's node rejoins at once
+        (3, 1.0, 4, 0.048),
+        (500, 1.0, 0, 0.5),
+        (2048, 1.0, 0, 1.0),  # a whole job's herd, after one etcd stall, over up to one interval
+        (2048, 1.0, 2, 4.0),  # registrations that outlived their leases: doubled for each one in a row
+        (2048, 1.0, 10, 8.0),  # never more than 8 intervals
+        (8192, 5.0, 0, 5.0),
+        (8192, 5.0, 3, 40.0),
+    ],
+)
+def test_a_node_that_lost_its_lease_spreads_its_registration_by_the_job_and_its_losses(
+    max_nodes, interval, quick_losses, spread
+):
+    assert rules.rejoin_spread(max_nodes, interval, quick_losses) == pytest.approx(spread)
+
+
+@pytest.mark.parametrize("lived, ttl, soon", [(0.5, 3, True), (8.9, 3, True), (9.0, 3, False), (600, 15, False)])
+def test_an_incarnation_lost_within_three_ttls_of_registering_was_lost_soon(lived, ttl, soon):
+    assert rules.lost_soon(lived, ttl) is soon
+
+
 @pytest.mark.parametrize("filled, expected", [(None, 100.2), (False, 100.5)])
 def test_the_warm_pool_refills_right_after_a_launch_and_retries_while_the_zygote_imports(filled, expected):
     assert rules.refill_warm_at(100.0, filled) == pytest.approx(expected)
