@@ -265,6 +265,17 @@ def test_a_rounds_pace_finds_the_next_rounds_workers_stalled_two_steps_in(tmp_pa
                 writer.close()
 
 
+def work_between_checks(watchdog: Watchdog, running: list, clock: FakeClock, polls: int, every_s: float) -> None:
+    """`polls` checks `every_s` apart on the fake clock, this process (standing for the workers) using 0.2 CPU-s
+    before each."""
+    for _ in range(polls):
+        clock.now += every_s
+        busy_until = time.process_time() + 0.2
+        while time.process_time() < busy_until:
+            pass
+        watchdog.check(running)
+
+
 @pytest.mark.timeout(10)
 def test_starting_workers_are_stalled_once_they_wait_not_while_they_work(tmp_path):
     """Before their first heartbeat in a round no pace judges them: survivors that wait on a peer stopped as the
@@ -279,12 +290,7 @@ def test_starting_workers_are_stalled_once_they_wait_not_while_they_work(tmp_pat
     running = [RunningProcess(), RunningProcess()]
     try:
         watchdog.check(running)
-        for _ in range(3):  # 0.9 s at work: 0.2 CPU-s every 0.3 s
-            clock.now += 0.3
-            busy_until = time.process_time() + 0.2
-            while time.process_time() < busy_until:
-                pass
-            watchdog.check(running)
+        work_between_checks(watchdog, running, clock, polls=3, every_s=0.3)  # 0.9 s at work
         assert watchdog.stall is None, "silent for 0.9 s, but at work"
         clock.now += 0.3
         watchdog.check(running)
@@ -330,12 +336,7 @@ def test_a_rounds_first_step_that_waits_is_a_stall_where_no_pace_is_known(tmp_pa
         for writer in writers:
             writer.beat(0)
         watchdog.check(running)
-        for _ in range(3):  # 0.6 s at work in the next step: 0.2 CPU-s every 0.2 s
-            clock.now += 0.2
-            busy_until = time.process_time() + 0.2
-            while time.process_time() < busy_until:
-                pass
-            watchdog.check(running)
+        work_between_checks(watchdog, running, clock, polls=3, every_s=0.2)  # 0.6 s at work in the next step
         assert watchdog.stall is None, "silent for 0.6 s, but at work"
         for _ in range(3):
             clock.now += 0.2
