@@ -99,7 +99,9 @@ def test_survivors_blocked_on_a_stopped_node_reenter_and_reenter_again_when_a_no
     ready before it registers, so before the drain that makes room for it; then a's workers take the larger round
     in process, and c's standby workers take it as their first."""
     samples = tmp_path / "samples.jsonl"
-    steps = 100  # c joined at step 53 on an idle machine; the rest, at 4 ranks, about 0.2 s a step
+    # c joined at step 53 on an idle machine, the rest at 4 ranks about 0.2 s a step; in a loaded CI run, a's two
+    # ranks trained the last 80 of 100 steps during c's 8 s start-up, and the job ended before c joined
+    steps = 200
     a, b = (cluster.start(n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN) for n in "ab")
     cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
     a_pids = set(child_pids(a.pid)) & {r["pid"] for r in records(samples)}
