@@ -42,7 +42,6 @@ from launcher.workers.process_tree import (
     signal_group,
 )
 from launcher.workers.watchdog_rules import (
-    STALL_MIN_INTERVALS,
     STALL_MIN_S,
     Hang,
     NodeHistory,
@@ -50,6 +49,7 @@ from launcher.workers.watchdog_rules import (
     Stall,
     WorkerWatch,
     next_threshold,
+    pace_unknown,
     stall_of,
 )
 
@@ -293,9 +293,7 @@ class Watchdog:
     def _pace_unknown(self, worker: _Worker) -> bool:
         """Whether neither the worker (too few heartbeats in this round) nor its node's last round shows a step pace
         to judge its silence by."""
-        if not worker.started:
-            return True
-        return not self.history.pace and channel.read_beats(worker.view) <= STALL_MIN_INTERVALS
+        return not worker.started or pace_unknown(channel.read_beats(worker.view), self.history.pace)
 
     def _follow_cpu(self, worker: _Worker, process: WorkerProcess, now: float) -> None:
         """Sample a starting worker's CPU seconds, keeping the samples of the last `STALL_MIN_S` and the one

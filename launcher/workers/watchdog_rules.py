@@ -176,6 +176,12 @@ def _shows_pace(intervals: Sequence[float]) -> bool:
     return len(intervals) >= STALL_MIN_INTERVALS
 
 
+def pace_unknown(beats: int, prior: Sequence[float]) -> bool:
+    """Whether neither a worker that heartbeated `beats` times in its round (one interval fewer) nor its node's
+    ``prior`` pace shows a pace to judge its silence by."""
+    return beats <= STALL_MIN_INTERVALS and not _shows_pace(prior)
+
+
 def pace_of(snapshot: channel.Snapshot, prior: Sequence[float]) -> Sequence[float]:
     """The step intervals to judge a worker's silence by: its own; in a round's first steps (it stepped in this
     round, too few times to show its pace), ``prior``, the node's pace in its last round. A node stopped (SIGSTOP)
@@ -201,13 +207,13 @@ def stall_of(
         if snapshot is None:
             return None
         idle = cpu_share is not None and cpu_share < IDLE_CPU_SHARE
-        if snapshot.beats == 0 and snapshot.long_op is None:
-            allowed = STALL_MIN_S if idle else None
-        elif snapshot.beats == 0:  # a start-up's load: the load gathers from every rank, a stopped one holds it
+        if snapshot.beats == 0 and snapshot.long_op is not None:
+            # a start-up's load: the load gathers from every rank, a stopped one holds it
             allowed = stall_allowance(prior) if idle else None
         else:
             allowed = stall_allowance(pace_of(snapshot, prior))
-            if allowed is None and snapshot.long_op is None:  # no pace anywhere yet: judged as a start-up
+            # no pace known (a start-up, or a round's first steps where no round showed one): whether it waits
+            if allowed is None and snapshot.long_op is None:
                 allowed = STALL_MIN_S if idle else None
         if allowed is None or silent <= allowed:
             return None

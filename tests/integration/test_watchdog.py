@@ -36,6 +36,7 @@ from launcher.workers.watchdog_rules import (
     WorkerWatch,
     allowance,
     next_threshold,
+    pace_unknown,
     parse_timeout,
     stall_allowance,
     stall_of,
@@ -207,6 +208,15 @@ def test_a_new_rounds_first_steps_are_judged_by_the_last_rounds_pace(workers, pr
     a pace, so no stall was seen and nobody probed it. So was one stopped during the round's checkpoint load
     (3.8 s in a chaos run, 2.5-2.6 s after the stop in a scale-up reproduced so)."""
     assert (stall_of(workers, prior) is not None) is stalled
+
+
+@pytest.mark.parametrize(
+    "beats, prior, unknown",
+    [(0, (), True), (2, (), True), (3, (), False), (1, PACE, False), (1, (0.1,), True)],
+)
+@pytest.mark.timeout(10)
+def test_a_pace_is_known_from_two_intervals_of_the_worker_or_of_its_nodes_last_round(beats, prior, unknown):
+    assert pace_unknown(beats, prior) is unknown
 
 
 @pytest.mark.timeout(10)
