@@ -150,10 +150,12 @@ def test_the_watcher_opens_its_stream_through_the_stub_it_was_given():
 
 
 class AnsweringStub:
-    """A watch stream that answers the first request with `response`, then stays open until `done`."""
+    """A watch stream that answers the first request with `response`, takes no further request, and stays open
+    until `done`; then it breaks with `breaks_with`, if given."""
 
-    def __init__(self, response) -> None:
+    def __init__(self, response, breaks_with: grpc.RpcError | None = None) -> None:
         self.response = response
+        self.breaks_with = breaks_with
         self.done = threading.Event()
 
     def Watch(self, requests, credentials=None, metadata=None):
@@ -161,6 +163,8 @@ class AnsweringStub:
             next(requests)
             yield self.response
             self.done.wait(10)
+            if self.breaks_with is not None:
+                raise self.breaks_with
 
         return responses()
 
@@ -183,22 +187,6 @@ class StreamBroken(grpc.RpcError):
     pass
 
 
-class BreakingStub:
-    """A watch stream that confirms the first watch, takes no further request, and breaks once `broken` is set."""
-
-    def __init__(self) -> None:
-        self.broken = threading.Event()
-
-    def Watch(self, requests, credentials=None, metadata=None):
-        def responses():
-            next(requests)
-            yield etcdrpc.WatchResponse(created=True, watch_id=1)
-            self.broken.wait(10)
-            raise StreamBroken()
-
-        return responses()
-
-
 def finishes(call) -> bool:
     """Whether `call` returns within 5 s (run on a thread of its own, left behind if it does not)."""
     thread = threading.Thread(target=call, daemon=True)
@@ -211,7 +199,7 @@ def test_a_stream_that_breaks_with_requests_left_in_its_queue_blocks_nobody():
     """pyetcd's stream thread puts its end into the stream's request queue holding the watcher's lock; bounded at
     10, a queue that nothing takes from any more held that put, the lock, and every caller of it for good: a
     client's close, after 256 watches on one stream were closed as it broke, hung in CI."""
-    stub = BreakingStub()
+    stub = AnsweringStub(etcdrpc.WatchResponse(created=True, watch_id=1), breaks_with=StreamBroken())
     watcher = HookedWatcher(stub, timeout=5)
     errors: list = []
     watcher.add_callback("k", lambda response: errors.append(response))
@@ -222,7 +210,7 @@ def test_a_stream_that_breaks_with_requests_left_in_its_queue_blocks_nobody():
                 watcher._cancel_no_lock(watch_id)
 
     assert finishes(cancel_many), "a cancel waited on the full queue"
-    stub.broken.set()
+    stub.done.set()
     assert finishes(watcher.close), "closing the watcher waited on its lock for good"
     deadline = time.monotonic() + 5
     while not errors and time.monotonic() < deadline:
