@@ -85,8 +85,8 @@ class Received:
 
 
 class GrpcConnection:
-    """One HTTP/2 connection carrying gRPC streams to `authority`. Not thread-safe: its owner serialises calls
-    (`SharedKeepAlive` holds its lock around each)."""
+    """One HTTP/2 connection carrying gRPC streams to `authority`. Not thread-safe, but its halves are apart:
+    one thread may `receive` while another (one at a time) opens streams and frames messages."""
 
     def __init__(self, sock: socket.socket, authority: str) -> None:
         self.sock = sock

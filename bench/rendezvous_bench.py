@@ -781,10 +781,40 @@ class RendezvousRun:
             except Exception as diag:  # noqa: BLE001
                 logger.error("  could not read etcd: %s", diag)
         if self._hosts is not None:
+            self.log_views()
             self._hosts.dump_stacks()
             logger.error("  stacks of every host thread: %s/host<i>/stacks.txt (kept with --keep-logs)", self.workdir)
         if self.client is not None and self.phase is not None:
             self.settle(*self.phase)
+
+    def log_views(self) -> None:
+        """Each host's agents' view against etcd's revision now: a host whose watches lag etcd never got the
+        events; one whose watches caught up but whose agents did not move got them and did not act."""
+        try:
+            ctl = self.client.get_prefix_response(self.keys.ctl, keys_only=True)
+            newest_ctl = max((kv.mod_revision for kv in ctl.kvs), default=0)
+            views = self.hosts.ask_all("views", timeout=10.0)
+        except Exception as exc:  # noqa: BLE001 - a diagnosis; the stacks come next either way
+            logger.error("  could not ask the hosts what their agents know: %s", exc)
+            return
+        logger.error(
+            "  etcd's revision %d, its newest state/ctl/ change at %d; what each host's live agents know:",
+            ctl.header.revision,
+            newest_ctl,
+        )
+        self.result["views_at_error"] = {"revision": ctl.header.revision, "newest_ctl": newest_ctl, "hosts": views}
+        for index, view in enumerate(views):
+            logger.error(
+                "    host%d: %d live; ctl watch connected %d, at revision %d..%d; bucket watch connected %d, "
+                "at %d..%d; %s",
+                index,
+                view["live"],
+                view["ctl_connected"],
+                *view["ctl_revision"],
+                view["bucket_connected"],
+                *view["bucket_revision"],
+                view["phases"],
+            )
 
     def newest_round(self) -> int | None:
         """The round etcd's header names now (None: no round yet, or etcd did not answer)."""

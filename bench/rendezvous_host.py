@@ -8,11 +8,16 @@ already on sys.path.
 from __future__ import annotations
 
 import collections
+import dataclasses
+import fcntl
 import functools
 import logging
 import os
+import queue
 import signal
+import struct
 import sys
+import termios
 import threading
 import time
 import traceback
@@ -60,6 +65,18 @@ class HostState:
         self.events.put(("anomaly", self.index, None, 0, text))
 
 
+@dataclasses.dataclass
+class Refresh:
+    """One lease refresh through SharedKeepAlive, and when each part of its way happened (monotonic seconds)."""
+
+    asked: float  # by its keeper
+    sent: float | None = None  # on the connection (None: while no connection was open)
+    received: float | None = None  # the answer, by the connection's reader
+    response: Any = None
+    abandoned: bool = False  # its keeper stopped waiting; the answer, when it comes, is dropped
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
 def keepalive_request(lease_id: int) -> bytes:
     return etcdrpc.LeaseKeepAliveRequest(ID=lease_id).SerializeToString()
 
@@ -93,14 +110,22 @@ class SharedKeepAlive:
     def __init__(self, client, silence_s: float) -> None:
         self._client = client
         self._silence_s = silence_s
+        self._outbox: queue.SimpleQueue[tuple[int, Refresh]] = queue.SimpleQueue()  # asked for, not yet framed
+        # guards the pending refreshes, the connection and its streams; never held across a call that lets the GIL
+        # go, except on a connection no other thread sees yet: hundreds of keepers once queued on it behind a holder
+        # waiting for the GIL, and refreshes went out 3.7 s after they were asked for
         self._lock = threading.Lock()
-        self._pending: dict[int, list[tuple[threading.Event, list]]] = collections.defaultdict(list)
+        self._send_lock = threading.Lock()  # the writer's refreshes and the reader's acknowledgements, whole
+        self._pending: dict[int, list[Refresh]] = collections.defaultdict(list)  # by lease, in the order sent
         self._connection: GrpcConnection | None = None
         self._streams: dict[int, int] = {}  # lease -> its stream on the connection
         self._leases: dict[int, int] = {}  # stream -> its lease
         self._endpoint = client.endpoint_label
         self.carried = 0
+        self.trail = RefreshTrail(silence_s / 3)
         threading.Thread(target=self._run, name="shared-keepalive", daemon=True).start()
+        threading.Thread(target=self._write, name="shared-keepalive-writer", daemon=True).start()
+        threading.Thread(target=self.trail.run, name="refresh-trail", daemon=True).start()
 
     def endpoints(self, lease) -> list[str]:
         return [self._endpoint]  # the connection's
@@ -110,29 +135,51 @@ class SharedKeepAlive:
 
     def refresh(self, lease, deadline: float, endpoint: str) -> list:
         """What `launcher.etcd.client.LeaseRoutes.refresh` does: etcd's answers, or a transient error."""
-        done = threading.Event()
-        slot: list = []  # etcd's answer, appended by the connection's reader
-        waiter = (done, slot)
-        message = keepalive_request(lease.id)  # framed outside the lock every keeper sends under
-        with self._lock:
-            self._pending[lease.id].append(waiter)
-            self.carried += 1
-            connection = self._connection
-            if connection is not None:
-                try:
-                    connection.sock.sendall(self._refreshes(connection, lease.id, message))
-                except OSError:
-                    pass  # the reader sees the socket fail and opens another, which sends this refresh again
-        if not done.wait(deadline):
-            with self._lock:
-                if waiter in self._pending[lease.id]:
-                    self._pending[lease.id].remove(waiter)
+        refresh = Refresh(asked=time.monotonic())
+        self.trail.asked(lease.id, refresh.asked)
+        self.carried += 1
+        self._outbox.put((lease.id, refresh))
+        if not refresh.done.wait(deadline):
+            # etcd answers a stream's refreshes in order: this one's late answer must not pass for the next's
+            refresh.abandoned = True
+            self.trail.timed_out()
             raise EtcdUnavailable(f"keep-alive not answered within {deadline:g} s")
-        return slot
+        self.trail.answered(refresh, time.monotonic())
+        return [refresh.response]
+
+    def _write(self) -> None:
+        """Frames and sends what the keepers asked for, everything asked meanwhile in one write."""
+        while True:
+            batch = [self._outbox.get()]
+            while True:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            with self._lock:
+                for lease_id, refresh in batch:
+                    self._pending[lease_id].append(refresh)
+                connection = self._connection
+                if connection is None:
+                    continue  # sent when the next connection opens
+                data = b"".join(
+                    self._refreshes(connection, lease_id, keepalive_request(lease_id)) for lease_id, _ in batch
+                )
+                now = time.monotonic()
+                for _, refresh in batch:
+                    refresh.sent = now
+            self._send(connection, data)
+
+    def _send(self, connection: GrpcConnection, data: bytes) -> None:
+        try:
+            with self._send_lock:
+                connection.sock.sendall(data)
+        except OSError:
+            pass  # the reader sees the socket fail and opens another, which sends the pending refreshes again
 
     def _refreshes(self, connection: GrpcConnection, lease_id: int, message: bytes, count: int = 1) -> bytes:
         """`count` copies of `message` on `lease_id`'s stream of `connection`, opening the stream first if it has
-        none there (called under the lock)."""
+        none there (called under the lock, so streams open in the order of their ids)."""
         stream = self._streams.get(lease_id)
         opening = b""
         if stream is None:
@@ -159,17 +206,21 @@ class SharedKeepAlive:
     def _serve(self) -> None:
         connection = GrpcConnection.connect(self._endpoint, self._silence_s)
         with self._lock:
-            self._connection = connection
             # refreshes asked for while no connection was open, or sent on the one that ended: a gRPC client
             # queues a call while its channel connects, and fails one whose connection breaks at once (its
             # keeper then sends another); either way the refresh goes out now instead of waiting out its deadline
+            for queued in self._pending.values():  # what the connection that ended owed is lost with it
+                queued[:] = [refresh for refresh in queued if not refresh.abandoned]
+                for refresh in queued:
+                    refresh.sent = time.monotonic()
             resent = b"".join(
                 self._refreshes(connection, lease_id, keepalive_request(lease_id), len(queued))
                 for lease_id, queued in self._pending.items()
                 if queued
             )
-            if resent:
+            if resent:  # before the writer can see the connection: its streams open after these
                 connection.sock.sendall(resent)
+            self._connection = connection
         while True:
             try:
                 data = connection.sock.recv(1 << 16)
@@ -181,24 +232,106 @@ class SharedKeepAlive:
                 continue
             if not data:
                 raise ConnectionEnded("etcd closed the connection")
+            received_at = time.monotonic()
+            self.trail.read(len(data), _queued_bytes(connection.sock))
+            received, reply = connection.receive(data)  # the connection's reading half is this thread's alone
+            responses = [etcdrpc.LeaseKeepAliveResponse.FromString(message) for _, message in received.messages]
             answered = []
             with self._lock:
-                received, reply = connection.receive(data)
-                for _, message in received.messages:
-                    response = etcdrpc.LeaseKeepAliveResponse.FromString(message)
-                    waiters = self._pending.get(response.ID)
-                    if waiters:
-                        answered.append((waiters.pop(0), response))
+                for response in responses:
+                    owed = self._pending.get(response.ID)
+                    if owed:
+                        refresh = owed.pop(0)
+                        if not refresh.abandoned:
+                            refresh.received, refresh.response = received_at, response
+                            answered.append(refresh)
                 # a stream etcd ended: that lease's next refresh opens another
                 for stream in received.ended:
                     lease_id = self._leases.pop(stream, None)
                     if lease_id is not None:
                         del self._streams[lease_id]
-                if reply:
-                    connection.sock.sendall(reply)  # settings and ping acknowledgements, the connection's window
-            for (done, slot), response in answered:
-                slot.append(response)
-                done.set()
+            if reply:
+                self._send(connection, reply)  # settings and ping acknowledgements, the connection's window
+            for refresh in answered:
+                refresh.done.set()
+
+
+def _queued_bytes(sock) -> int:
+    """Bytes the kernel holds for `sock` that no recv has taken yet (SIOCINQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+class RefreshTrail:
+    """Where a host's lease refreshes wait, logged once a second while any waited past a second, or a lease's
+    keeper asked 1.5 intervals after its last refresh: refreshes answered and timed out; the longest wait from a
+    keeper's ask until the refresh went out (the writer's turn), from then until the reader saw etcd's answer,
+    and from then until the keeper woke (the host's threads short of CPU); the most bytes the kernel still held
+    after a read (the reader behind) and the etcd revisions the answers carry (etcd fills it in as it takes the
+    refresh up)."""
+
+    SLOW_S = 1.0
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last_asked: dict[int, float] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.count = self.late = self.timeouts = self.reads = self.read_bytes = self.backlog = 0
+        self.to_send = self.to_reader = self.to_keeper = self.gap = 0.0
+        self.revisions: tuple[int, int] | None = None
+
+    def answered(self, refresh: Refresh, woke_at: float) -> None:
+        assert refresh.received is not None and refresh.sent is not None  # an answer comes only to what was sent
+        revision = refresh.response.header.revision
+        with self._lock:
+            self.count += 1
+            self.to_send = max(self.to_send, refresh.sent - refresh.asked)
+            to_reader, to_keeper = refresh.received - refresh.sent, woke_at - refresh.received
+            self.late += to_reader > self.SLOW_S or to_keeper > self.SLOW_S
+            self.to_reader, self.to_keeper = max(self.to_reader, to_reader), max(self.to_keeper, to_keeper)
+            low, high = self.revisions or (revision, revision)
+            self.revisions = (min(low, revision), max(high, revision))
+
+    def asked(self, lease_id: int, at: float) -> None:
+        with self._lock:
+            self.gap = max(self.gap, at - self._last_asked.get(lease_id, at))
+            self._last_asked[lease_id] = at
+
+    def timed_out(self) -> None:
+        with self._lock:
+            self.timeouts += 1
+
+    def read(self, size: int, queued: int) -> None:
+        with self._lock:
+            self.reads += 1
+            self.read_bytes += size
+            self.backlog = max(self.backlog, queued)
+
+    def run(self) -> None:
+        log = logging.getLogger("refresh-trail")
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                if self.late or self.timeouts or self.gap > 1.5 * self._interval:
+                    log.warning(
+                        "refreshes: %d answered (%d late), %d timed out; longest gap between a lease's refreshes "
+                        "%.2f s, asked to sent %.2f s, sent to the reader %.2f s, reader to keeper %.2f s; %d reads, "
+                        "%d bytes, kernel backlog up to %d bytes; etcd revisions %s",
+                        self.count,
+                        self.late,
+                        self.timeouts,
+                        self.gap,
+                        self.to_send,
+                        self.to_reader,
+                        self.to_keeper,
+                        self.reads,
+                        self.read_bytes,
+                        self.backlog,
+                        self.revisions,
+                    )
+                self._reset()
 
 
 class NoopWorkerGroup:
@@ -319,6 +452,26 @@ class AgentThreads:
                 if delay > 0:
                     time.sleep(delay)
 
+    def views(self) -> dict:
+        """What the host's live agents know, in brief: whether their watches are connected, the etcd revision
+        each watch has reached, the round each is in and how far it got there. A host whose agents all missed a
+        round shows here whether etcd's events never reached it (watches behind etcd's revision) or arrived and
+        were not acted on."""
+        live = [a for a in self.agents.values() if a.registrations and not a.killed]
+        ctl = [a.mirror.revision for a in live]
+        bucket = [a.bucket.mirror.revision for a in live]
+        phases = collections.Counter(
+            f"r{a.run_.round}:{a.run_.phase.name}" if a.run_ is not None else "no round" for a in live
+        )
+        return {
+            "live": len(live),
+            "ctl_connected": sum(a.mirror.connected for a in live),
+            "ctl_revision": (min(ctl, default=0), max(ctl, default=0)),
+            "bucket_connected": sum(a.bucket.mirror.connected for a in live),
+            "bucket_revision": (min(bucket, default=0), max(bucket, default=0)),
+            "phases": dict(phases.most_common(4)),
+        }
+
     def kill(self, node: str) -> float:
         """The agent dies (see BenchAgent.die); returns the time of death."""
         with self.host.lock:
@@ -420,6 +573,8 @@ def serve(conn: Connection, deadline: float, agents: AgentThreads, shared: Share
             conn.send(("started", time.time()))
         elif command == "kill":
             conn.send(("killed", agents.kill(rest[0])))
+        elif command == "views":
+            conn.send(("views", agents.views()))
         elif command == "stats":
             conn.send(("stats", process_stats(shared)))
         elif command == "stop":
