@@ -97,10 +97,10 @@ class SharedKeepAlive:
     that agent's own; only the client-side transport is cheaper. `carried` counts the refreshes it sent, so the
     coordinator can tell when the agents' refreshes no longer come this way.
 
-    A stream per lease, not one for the host: etcd answers a stream's refreshes one after another, and as leader
-    holds each until its apply loop has caught up with what raft committed (etcd 3.5's LeaseRenew). While a round's
-    acknowledgements were being applied, one shared stream made a host's 256 refreshes wait in line for seconds,
-    and that host's agents lost their leases (the 2,048-agent runs' "one host's agents never saw the round").
+    A stream per lease, not one for the host: etcd's handler takes a stream's refreshes one after another
+    (receive, renew, answer, then the next). While a round's acknowledgements were being applied, one shared
+    stream made a host's 256 refreshes wait in line for seconds, and that host's agents lost their leases (the
+    2,048-agent runs' "one host's agents never saw the round").
 
     The connection runs on one member; when it breaks, or says nothing for `silence_s` while refreshes wait (a
     member killed or cut off), it opens again on the next member of the client's endpoints and sends the

@@ -67,7 +67,8 @@ def call_with_retry(
     After an attempt etcd did not answer in time, the next waits twice as long (up to `deadline_s`). A slow etcd
     still applies a write whose caller gave up on it, so asking again at the same pace only queues more copies:
     at 4,096 nodes, acknowledgements asked every 3 s made etcd commit five to ten proposals for each one needed,
-    and the backlog in its apply loop held back the lease refreshes that wait for it."""
+    and the backlog in its apply loop held back whatever waits for it (a refresh a follower forwards; from etcd
+    3.5.5, every refresh)."""
 
     def attempt() -> T:
         try:
