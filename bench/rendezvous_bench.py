@@ -579,6 +579,13 @@ class RendezvousRun:
         assert self.etcd is not None, "started by start()"
         return self.etcd.scrape(), cpu_snapshot(self.hosts, self.etcd.pids())
 
+    def host_profiled(self, controller: str) -> int | None:
+        """With --yappi: the last host that does not run the controller (the first if only it is left)."""
+        if not self.args.yappi:
+            return None
+        others = [i for i in range(len(self.slices)) if i != self.hosts.host_of[controller]]
+        return others[-1] if others else 0
+
     def profiler(self, window: str, controller: str) -> Profiler:
         """py-spy on the controller's host process and the last host for one window (--sample)."""
         indexes = sorted({self.hosts.host_of[controller], len(self.slices) - 1})
@@ -725,6 +732,9 @@ class RendezvousRun:
         self.watch = watch = KeyWatch(self.client, self.keys.node(victim), self.keys.round)
         hosts.drain()
         profiler = self.profiler("reform", controller) if self.args.sample else None
+        profiled = self.host_profiled(controller)
+        if profiled is not None:
+            hosts.ask(profiled, "profile", "start")
         m5, c5 = self.sample()
         death = hosts.ask(hosts.host_of[victim], "kill", victim)
         self.phase = ("the re-form", death, n - 1)
@@ -761,6 +771,10 @@ class RendezvousRun:
         )
         if profiler is not None:
             self.result["reform_profile"] = profiler.stop()
+        if profiled is not None:
+            logger.info(
+                "  yappi profile of host%d over the re-form: %s", profiled, hosts.ask(profiled, "profile", "stop")
+            )
         logger.info(
             "  round %d: survivors know it %.3f s after the death (%.3f s beyond the %d s TTL)",
             target,
@@ -1063,6 +1077,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sample",
         action="store_true",
         help="py-spy profile of the controller's host process and the last host, per window (py-spy needed)",
+    )
+    parser.add_argument(
+        "--yappi",
+        action="store_true",
+        help="yappi CPU profile of every thread of one host that does not run the controller, over the re-form "
+        "(host<i>/yappi.txt; kept with --keep-logs; yappi needed)",
     )
     parser.add_argument(
         "--plot",

@@ -560,7 +560,30 @@ def _rss_mib() -> float:
     return 0.0
 
 
-def serve(conn: Connection, deadline: float, agents: AgentThreads, shared: SharedKeepAlive | None) -> None:
+def profile(action: str, log_dir: str) -> str | None:
+    """yappi's CPU profile of every thread of this host: "start", then "stop", which writes the functions by their
+    own CPU time to <log_dir>/yappi.txt and returns the path."""
+    import yappi  # only with --yappi
+
+    if action == "start":
+        yappi.set_clock_type("cpu")
+        yappi.start(builtins=False)
+        return None
+    yappi.stop()
+    path = os.path.join(log_dir, "yappi.txt")
+    with open(path, "w") as out:
+        stats = yappi.get_func_stats()
+        stats.sort("tsub", "desc")
+        stats.print_all(
+            out=out, columns={0: ("name", 90), 1: ("ncall", 10), 2: ("tsub", 8), 3: ("ttot", 8), 4: ("tavg", 8)}
+        )
+    yappi.clear_stats()
+    return path
+
+
+def serve(
+    conn: Connection, deadline: float, agents: AgentThreads, shared: SharedKeepAlive | None, log_dir: str
+) -> None:
     """Answer the coordinator's commands until it says stop, goes away, or the host's deadline passes."""
     while time.monotonic() < deadline:
         if not conn.poll(1.0):
@@ -575,6 +598,8 @@ def serve(conn: Connection, deadline: float, agents: AgentThreads, shared: Share
             conn.send(("killed", agents.kill(rest[0])))
         elif command == "views":
             conn.send(("views", agents.views()))
+        elif command == "profile":
+            conn.send(("profile", profile(rest[0], log_dir)))
         elif command == "stats":
             conn.send(("stats", process_stats(shared)))
         elif command == "stop":
@@ -603,5 +628,5 @@ def main(index: int, spec: dict, conn: Connection, events: Queue[tuple]) -> None
         lease_routes = shared
     agents = AgentThreads(host, build_agents(spec, host, client, lease_routes))
     agents.start_all_but(spec["holdback"], spec["start_rate"])
-    serve(conn, deadline, agents, shared)
+    serve(conn, deadline, agents, shared, spec["log_dir"])
     os._exit(0)  # the agents' threads are daemons; the job is thrown away with its etcd
