@@ -3,7 +3,7 @@
 For each N in --agents (one fresh etcd and one fresh set of processes per N):
 
   1. start P host processes (multiprocessing, spawn; bench/rendezvous_host.py), each running up to
-     --agents-per-process agents as threads that share ONE etcd client per process; every agent is a real
+     --agents-per-process agents as threads that share one etcd client per --agents-per-client; every agent is a real
      `launcher.node.agent.Agent` (and whichever one claims the controller key runs the real
      `launcher.rendezvous.controller.Controller`) with its worker processes replaced by a no-op WorkerGroup whose
      poll() reports RUNNING until the host is told to stop;
@@ -611,6 +611,7 @@ class RendezvousRun:
             "lease_attempts": LEASE_ATTEMPTS,
             "start_rate": args.start_rate,
             "keepalive": args.keepalive,
+            "agents_per_client": args.agents_per_client,
             "log_level": args.log_level,
         }
         self.result.update(
@@ -843,8 +844,8 @@ class RendezvousRun:
 
     def settle(self, phase: str, began: float, live: int) -> None:
         """After a phase missed its deadline: does the job still converge (its newest round holds every live agent,
-        and every one of them acknowledged it)? `converged_s` counts from the phase's start (None: not within
-        --settle-deadline); `converged_round` is the round it settled in."""
+        every one of them acknowledged it, and all are registered)? `converged_s` counts from the phase's start
+        (None: not within --settle-deadline); `converged_round` is the round it settled in."""
         from launcher.rendezvous.protocol import ReportKind
         from launcher.rendezvous.records import RoundHeader
 
@@ -858,8 +859,12 @@ class RendezvousRun:
                 if header is not None:
                     acks = f"{self.keys.round_prefix(header.round)}{ReportKind.ACK.value}/"
                     acked = self.client.get_prefix_response(acks, count_only=True).count
-                    last_seen = f"round {header.round} of {header.size} members, {acked} acknowledged"
-                    if header.size == live and acked >= live:
+                    # a dead member's acknowledgement stays: only nodes still registered make it the job's round
+                    registered = self.client.get_prefix_response(self.keys.nodes, count_only=True).count
+                    last_seen = (
+                        f"round {header.round} of {header.size} members, {acked} acknowledged, {registered} registered"
+                    )
+                    if header.size == live and acked >= live and registered == live:
                         settled = header.round
             except Exception as exc:  # noqa: BLE001 - an overloaded etcd; ask again
                 logger.debug("settle: %s", exc)
@@ -1031,6 +1036,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--agents", default="16,64,256,1024", help="comma-separated N values (default 16,64,256,1024)")
     parser.add_argument("--agents-per-process", type=int, default=256, help="agents per host process (default 256)")
+    parser.add_argument(
+        "--agents-per-client",
+        type=int,
+        default=256,
+        help="agents of a host process that share one etcd client, and so one watch stream (default 256): etcd "
+        "queues at most 128 events per stream before it moves the stream's watchers to its slow path, and an "
+        "event under state/ctl/ goes to every agent's watch (docs/scaling.md: slow watchers)",
+    )
     parser.add_argument("--keep-alive-interval", type=float, default=1.0, help="seconds; lease TTL is 3x (default 1)")
     parser.add_argument(
         "--keepalive",

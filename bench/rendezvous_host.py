@@ -1,4 +1,4 @@
-"""One host process of bench/rendezvous_bench.py: its share of the simulated agents as threads on ONE etcd client,
+"""One host process of bench/rendezvous_bench.py: its share of the simulated agents as threads on a few etcd clients,
 answering the coordinator's commands (start, kill, stats, stop).
 
 Imported only inside the spawned host processes (`rendezvous_bench.host_main`), where bench/ and the checkout are
@@ -506,8 +506,9 @@ def dump_stacks(log_dir: str, signum: int | None = None, frame: Any = None) -> N
             out.write(f"\n--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame_))}")
 
 
-def build_agents(spec: dict, host: HostState, client, lease_routes: LeaseRoutes) -> dict[str, BenchAgent]:
-    """One BenchAgent per node of this host, in the spec's order (the order they start in)."""
+def build_agents(spec: dict, host: HostState, clients: list, lease_routes: LeaseRoutes) -> dict[str, BenchAgent]:
+    """One BenchAgent per node of this host, in the spec's order (the order they start in), each run of
+    agents_per_client of them on one of `clients`."""
     # --nnodes N-1:N with a last call of an hour: round 0 forms the moment the N-th agent registers (MAX reached),
     # and a loss re-forms at once with N-1 (MIN is met); --nnodes N:N could never re-form after a loss. A lower
     # MIN would let a round form without an agent whose lease lapsed, and its new incarnation would then wait
@@ -520,7 +521,7 @@ def build_agents(spec: dict, host: HostState, client, lease_routes: LeaseRoutes)
         close_timeout=3600,
     )
     agents: dict[str, BenchAgent] = {}
-    for node in spec["nodes"]:
+    for index, node in enumerate(spec["nodes"]):
         config = LaunchConfig(
             min_nodes=max(1, spec["n"] - 1),
             max_nodes=spec["n"],
@@ -535,7 +536,7 @@ def build_agents(spec: dict, host: HostState, client, lease_routes: LeaseRoutes)
             entrypoint="noop-worker",
             warm_workers=False,  # no-op workers: a warm interpreter per simulated agent would import torch N times
         )
-        agents[node] = BenchAgent(host, config, client, lease_routes)
+        agents[node] = BenchAgent(host, config, clients[index // spec["agents_per_client"]], lease_routes)
     return agents
 
 
@@ -619,14 +620,16 @@ def main(index: int, spec: dict, conn: Connection, events: Queue[tuple]) -> None
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     deadline = time.monotonic() + spec["host_deadline_s"]
     host = HostState(index, events)
-    client = etcd_client.connect(spec["endpoint"])
+    per_client = spec["agents_per_client"]
+    clients = [etcd_client.connect(spec["endpoint"]) for _ in range(0, len(spec["nodes"]), per_client)]
+    client = clients[0]
     shared = None
     lease_routes: LeaseRoutes = etcd_client.LEASE_ROUTES
     if spec["keepalive"] == "shared":
         # every agent of this host process is simulated, so the shared stream stands in for its refreshes
         shared = SharedKeepAlive(client, silence_s=3 * spec["keep_alive_interval"])
         lease_routes = shared
-    agents = AgentThreads(host, build_agents(spec, host, client, lease_routes))
+    agents = AgentThreads(host, build_agents(spec, host, clients, lease_routes))
     agents.start_all_but(spec["holdback"], spec["start_rate"])
     serve(conn, deadline, agents, shared, spec["log_dir"])
     os._exit(0)  # the agents' threads are daemons; the job is thrown away with its etcd
