@@ -36,7 +36,7 @@ from launcher.etcd import client as etcd_client
 from launcher.etcd.errors import EtcdUnavailable
 from launcher.etcd.lease_keeper import LeaseRoutes
 from launcher.node.agent import Agent
-from launcher.rendezvous.records import NodeRecord
+from launcher.rendezvous.records import DrainReport, NodeRecord
 from launcher.workers.group import WorkerOutcome
 
 
@@ -343,6 +343,7 @@ class NoopWorkerGroup:
     def __init__(self, host: HostState, config, round_, member, master, history=None, warm=None) -> None:
         self.round, self.member, self.master = round_, member, master
         self.started_inprocess = self.started_prepared = 0
+        self.processes: list = []
         host.note("workers", round_.round, time.time())
 
     def start(self, previous=None, standby=None) -> None:
@@ -368,6 +369,18 @@ class NoopWorkerGroup:
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         pass
+
+    def request_drain(self, number: int, in_memory: bool = False) -> None:
+        pass  # no workers to checkpoint
+
+    def drain_answer(self, number: int) -> DrainReport:
+        return DrainReport(number=number, step=None)  # what workers without a CheckpointManager answer
+
+    def why_no_drain(self) -> None:
+        return None
+
+    def trains_under_elastic_run(self) -> bool:
+        return False
 
     def reporting_hang(self) -> bool:
         return False
