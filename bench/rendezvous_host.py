@@ -1,5 +1,5 @@
 """One host process of bench/rendezvous_bench.py: its share of the simulated agents as threads on a few etcd clients,
-answering the coordinator's commands (start, kill, stats, stop).
+answering the coordinator's commands (start, kill, views, profile, stats, stop).
 
 Imported only inside the spawned host processes (`rendezvous_bench.host_main`), where bench/ and the checkout are
 already on sys.path.
@@ -137,7 +137,6 @@ class SharedKeepAlive:
         """What `launcher.etcd.client.LeaseRoutes.refresh` does: etcd's answers, or a transient error."""
         refresh = Refresh(asked=time.monotonic())
         self.trail.asked(lease.id, refresh.asked)
-        self.carried += 1
         self._outbox.put((lease.id, refresh))
         if not refresh.done.wait(deadline):
             # etcd answers a stream's refreshes in order: this one's late answer must not pass for the next's
@@ -159,6 +158,7 @@ class SharedKeepAlive:
             with self._lock:
                 for lease_id, refresh in batch:
                     self._pending[lease_id].append(refresh)
+                self.carried += len(batch)  # counted by this thread alone
                 connection = self._connection
                 if connection is None:
                     continue  # sent when the next connection opens
