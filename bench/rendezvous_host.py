@@ -209,10 +209,11 @@ class SharedKeepAlive:
             # refreshes asked for while no connection was open, or sent on the one that ended: a gRPC client
             # queues a call while its channel connects, and fails one whose connection breaks at once (its
             # keeper then sends another); either way the refresh goes out now instead of waiting out its deadline
+            now = time.monotonic()
             for queued in self._pending.values():  # what the connection that ended owed is lost with it
                 queued[:] = [refresh for refresh in queued if not refresh.abandoned]
                 for refresh in queued:
-                    refresh.sent = time.monotonic()
+                    refresh.sent = now
             resent = b"".join(
                 self._refreshes(connection, lease_id, keepalive_request(lease_id), len(queued))
                 for lease_id, queued in self._pending.items()
