@@ -62,6 +62,7 @@ import math
 import multiprocessing
 import os
 import queue
+import re
 import shutil
 import signal
 import sys
@@ -109,7 +110,14 @@ class Timeout(Exception):
 class Hosts:
     """The host processes of one N, and the reports they send."""
 
-    def __init__(self, spec: dict, node_slices: list[list[str]], deadline_s: float) -> None:
+    def __init__(
+        self,
+        spec: dict,
+        node_slices: list[list[str]],
+        deadline_s: float,
+        etcd_crashes: Callable[[], list[str]] = list,
+    ) -> None:
+        self.etcd_crashes = etcd_crashes  # a phase ends at once when etcd died: nothing can complete without it
         self.context = multiprocessing.get_context("spawn")
         self.events = self.context.Queue()
         self.processes, self.conns = [], []
@@ -179,6 +187,9 @@ class Hosts:
             dead = [p.name for p in self.processes if not p.is_alive()]
             if dead:
                 raise Timeout(f"{what}: host process(es) {dead} exited")
+            crashes = self.etcd_crashes()
+            if crashes:
+                raise Timeout(f"{what}: {count} of {expected} when {crashes[0]}")
             if now > deadline:
                 raise Timeout(f"{what}: {count} of {expected} after {deadline_s:.0f} s")
             if self.anomalies and newest_round is not None and round_ is not None and now >= next_look:
@@ -481,6 +492,19 @@ def raise_priority(pid: int, niceness: int) -> None:
             return
 
 
+# how a Go program's crash begins: "panic: <message>", "fatal error: <message>", or "SIGSEGV: segmentation violation"
+_GO_CRASH = re.compile(r"^(panic|fatal error|SIG[A-Z]+): ")
+
+
+def last_words(log_path: str) -> str:
+    """Why an etcd that exited on its own did: the line its Go crash began with, else its log's last line."""
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(no log: {exc})"
+    return next((line for line in lines if _GO_CRASH.match(line)), lines[-1] if lines else "(empty log)")
+
+
 class BenchEtcd:
     """The etcd of one N: one EtcdServer, or an EtcdCluster with --etcd-members > 1 (its leader gets killed)."""
 
@@ -505,6 +529,22 @@ class BenchEtcd:
             return self.cluster.pids
         assert self.server is not None and self.server.process is not None, "started"
         return [self.server.process.pid]
+
+    def crashes(self) -> list[str]:
+        """Each member that exited on its own (not killed by the bench), with the panic or last line of its log."""
+        if self.cluster is not None:
+            members = [
+                (name, process, os.path.join(self.cluster.data_dir, f"{name}.log"))
+                for name, process in zip(self.cluster.names, self.cluster.processes)
+            ]
+        else:
+            assert self.server is not None and self.server.process is not None, "started"
+            members = [("etcd", self.server.process, os.path.join(self.server.data_dir, "etcd.log"))]
+        return [
+            f"etcd member {name} exited with code {process.returncode}: {last_words(log)}"
+            for name, process, log in members
+            if process.poll() is not None and process.returncode != -signal.SIGKILL
+        ]
 
     def scrape(self) -> dict:
         return etcd_metrics.scrape_members(
@@ -598,7 +638,8 @@ class RendezvousRun:
         args, n = self.args, self.n
         self.etcd = etcd = BenchEtcd(args.etcd_members, os.path.join(args.etcd_dir or self.workdir, f"etcd-{n}"))
         self.result["etcd_members"] = args.etcd_members
-        self.client = etcd_client.connect(etcd.endpoint)
+        self.client = etcd_client.connect_reachable(etcd.endpoint, job_nodes=n)  # says so if etcd has a known defect
+        self.result["etcd_version"] = self.client.status().version
         self.slices = plan_hosts(n, args.agents_per_process)
         self.holdback = self.slices[-1][-1]
         spec = {
@@ -624,7 +665,7 @@ class RendezvousRun:
             self.result["agents_per_process"],
             etcd.endpoint,
         )
-        self._hosts = Hosts(spec, self.slices, deadline_s=args.host_deadline)
+        self._hosts = Hosts(spec, self.slices, deadline_s=args.host_deadline, etcd_crashes=etcd.crashes)
 
     def register_all_but_one(self) -> None:
         """The N-1 agents the hosts started on their own register (the last one is held back)."""
@@ -789,6 +830,10 @@ class RendezvousRun:
         (host<i>/stacks.txt)."""
         logger.error("  N=%d: %s", self.n, exc)
         self.result["error"] = str(exc)
+        if self.etcd is not None:
+            self.result["etcd_crashes"] = crashes = self.etcd.crashes()
+            for crash in crashes:
+                logger.error("  %s", crash)
         if self.client is not None:
             try:
                 self.result["etcd_at_error"] = job_state(self.client, self.keys)
@@ -799,7 +844,7 @@ class RendezvousRun:
             self.log_views()
             self._hosts.dump_stacks()
             logger.error("  stacks of every host thread: %s/host<i>/stacks.txt (kept with --keep-logs)", self.workdir)
-        if self.client is not None and self.phase is not None:
+        if self.client is not None and self.phase is not None and not self.result.get("etcd_crashes"):
             self.settle(*self.phase)
 
     def log_views(self) -> None:

@@ -367,7 +367,7 @@ def run(config: LaunchConfig) -> int:
             config = config.model_copy(update={"rdzv_endpoint": server.endpoint})
             logger.info("standalone: private etcd at %s, job id %s", server.endpoint, config.rdzv_id)
         try:
-            client = etcd_client.connect_reachable(config.rdzv_endpoint, config.etcd_security)
+            client = etcd_client.connect_reachable(config.rdzv_endpoint, config.etcd_security, config.max_nodes)
         except etcd_client.EtcdUnreachable as exc:
             print(f"elastic-run: error: {exc}", file=sys.stderr)
             return 1

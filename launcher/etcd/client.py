@@ -21,7 +21,7 @@ from pyetcd import events as etcd_events
 from pyetcd import exceptions as etcd_exceptions
 
 from launcher.config import PASSWORD_ENV, EtcdSecurity, parse_endpoints
-from launcher.etcd import errors
+from launcher.etcd import errors, versions
 from launcher.etcd.errors import EtcdTimedOut, EtcdUnavailable, EtcdUnreachable, LeaseGone
 from launcher.etcd.pyetcd_internals import HookedClient, HookedWatcher
 
@@ -300,19 +300,20 @@ def close(client: EtcdClient, timeout_s: float = 2.0) -> None:
 
 def check_reachable(
     client: EtcdClient, spec: str, security: EtcdSecurity | None = None, deadline_s: float = 5.0
-) -> None:
-    """Raise EtcdUnreachable naming `spec` unless an etcd v3 server answers within `deadline_s`. A TLS handshake
-    that failed, or a plain client at a server that speaks TLS, is not retried: waiting cannot change a
-    certificate."""
+) -> str:
+    """The version of the etcd v3 server that answered at `spec` within `deadline_s`; else raise EtcdUnreachable
+    naming `spec`. A TLS handshake that failed, or a plain client at a server that speaks TLS, is not retried:
+    waiting cannot change a certificate."""
     security = security or EtcdSecurity()
 
     def worth_retrying(exc: BaseException) -> bool:
         return is_transient(exc) and _tls_mismatch(exc, spec, security) is None
 
     try:
-        errors.call_with_retry(client.status, deadline_s=deadline_s, retry_if=worth_retrying)
+        status = errors.call_with_retry(client.status, deadline_s=deadline_s, retry_if=worth_retrying)
     except Exception as exc:  # grpc and the client raise a zoo of types for "not etcd" and "not there"
         raise explain(exc, spec, security) from exc
+    return str(status.version)
 
 
 def _tls_mismatch(exc: BaseException, spec: str, security: EtcdSecurity) -> str | None:
@@ -400,17 +401,30 @@ def _detail(exc: BaseException) -> str:
     return str(exc)
 
 
-def connect_reachable(spec: str, security: EtcdSecurity | None = None) -> EtcdClient:
-    """A client for `spec` once an etcd answered there; raises ValueError (bad spec) or EtcdUnreachable."""
+def connect_reachable(spec: str, security: EtcdSecurity | None = None, job_nodes: int | None = None) -> EtcdClient:
+    """A client for `spec` once an etcd answered there; raises ValueError (bad spec) or EtcdUnreachable. With
+    `job_nodes` (the job's maximum size) a known defect of that etcd's release is logged, as a warning from
+    `versions.WARN_FROM_NODES` nodes."""
     try:
         client = connect(spec, security=security)
     except grpc.RpcError as exc:  # logging in failed
         raise explain(exc, spec, security) from exc
     try:
-        check_reachable(client, spec, security)
+        version = check_reachable(client, spec, security)
     except EtcdUnreachable:
         client.close()
         raise
+    defect = versions.defect_of(version)
+    if job_nodes is not None and defect is not None:
+        level = logging.WARNING if job_nodes >= versions.WARN_FROM_NODES else logging.INFO
+        logger.log(
+            level,
+            "%s at %s: for a job of %d nodes run etcd %s or later, or 3.4 (Debian's etcd-server)",
+            defect.describe(version),
+            spec,
+            job_nodes,
+            defect.fixed_in,
+        )
     return client
 
 
