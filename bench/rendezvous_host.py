@@ -82,8 +82,8 @@ def keepalive_request(lease_id: int) -> bytes:
 
 
 class SharedKeepAlive:
-    """Every lease refresh of a host's agents sent on ONE connection, a LeaseKeepAlive stream per lease, framed by
-    hand (`grpc_wire`) on a plain socket.
+    """Every lease refresh of a host's agents sent on ONE connection per etcd member, a LeaseKeepAlive stream per
+    lease, framed by hand (`grpc_wire`) on a plain socket (a `KeepAliveLine` per member, opened on first use).
 
     The agent's LeaseKeeper refreshes through `launcher.etcd.client.LeaseRoutes.refresh`, which opens a new
     LeaseKeepAlive stream per refresh, and gRPC starts a Python thread to feed each stream: ~1.3 ms of host CPU per
@@ -102,14 +102,80 @@ class SharedKeepAlive:
     stream made a host's 256 refreshes wait in line for seconds, and that host's agents lost their leases (the
     2,048-agent runs' "one host's agents never saw the round").
 
-    The connection runs on one member; when it breaks, or says nothing for `silence_s` while refreshes wait (a
-    member killed or cut off), it opens again on the next member of the client's endpoints and sends the
-    refreshes still waiting there.
+    The routes follow a real agent's, per lease, as if each agent had its own client: a lease refreshes through the
+    member it uses; once a refresh there went unanswered, its next goes out through every member at once, and the
+    first to answer becomes the lease's member. A real keeper does that with a thread per member (see
+    launcher.etcd.lease_keeper), refreshing through the others every quarter interval while overdue; here the
+    keeper sees one endpoint and stays on its own thread (a pool thread per refresh cost 0.4 more cores at 1,024
+    agents, enough to lapse leases on 2 cores). Before, a host's refreshes all went through one member: refreshes
+    a follower forwards wait for the leader's apply loop, and in a round's burst leases lapsed that a real keeper,
+    sending through the leader too, would have kept.
     """
 
     def __init__(self, client, silence_s: float) -> None:
-        self._client = client
         self._silence_s = silence_s
+        self._members = list(client.endpoints)
+        self._first = client.endpoint_label
+        self._lock = threading.Lock()
+        self._lines: dict[str, KeepAliveLine] = {}
+        self._in_use: dict[int, str] = {}  # lease -> the member it refreshes through (absent: the client's first)
+        self._unanswered: set[int] = set()  # leases whose last refresh went unanswered: the next goes to every member
+        self.trail = RefreshTrail(silence_s / 3)
+        threading.Thread(target=self.trail.run, name="refresh-trail", daemon=True).start()
+
+    @property
+    def carried(self) -> int:
+        return sum(line.carried for line in list(self._lines.values()))
+
+    def endpoints(self, lease) -> list[str]:
+        return [self._in_use.get(lease.id, self._first)]
+
+    def prefer(self, lease, endpoint: str) -> None:
+        raise AssertionError(f"a keeper with one endpoint never moves; asked to move to {endpoint}")
+
+    def refresh(self, lease, deadline: float, endpoint: str) -> list:
+        """What `launcher.etcd.client.LeaseRoutes.refresh` does: etcd's answers, or a transient error."""
+        members = self._members if lease.id in self._unanswered else [endpoint]
+        done = threading.Event()  # the first answer through any member
+        asked = time.monotonic()
+        sent = {member: Refresh(asked=asked, done=done) for member in members}
+        self.trail.asked(lease.id, asked)
+        for member, refresh in sent.items():
+            self._line(member).send(lease.id, refresh)
+        answered = done.wait(deadline)
+        for refresh in sent.values():
+            # etcd answers a stream's refreshes in order: a late answer must not pass for the lease's next refresh
+            refresh.abandoned = True
+        first = next(((m, r) for m, r in sent.items() if r.response is not None), None) if answered else None
+        if first is None:
+            self._unanswered.add(lease.id)
+            self.trail.timed_out()
+            raise EtcdUnavailable(f"keep-alive through {', '.join(members)} not answered within {deadline:g} s")
+        member, refresh = first
+        self._unanswered.discard(lease.id)
+        self._in_use[lease.id] = member
+        self.trail.answered(refresh, time.monotonic())
+        return [refresh.response]
+
+    def _line(self, endpoint: str) -> KeepAliveLine:
+        line = self._lines.get(endpoint)
+        if line is None:
+            with self._lock:
+                line = self._lines.get(endpoint)
+                if line is None:
+                    line = self._lines[endpoint] = KeepAliveLine(endpoint, self._silence_s, self.trail)
+        return line
+
+
+class KeepAliveLine:
+    """The refreshes SharedKeepAlive sends to one etcd member, on one connection. When it breaks, or says nothing
+    for `silence_s` while refreshes wait (a member killed or cut off), it opens again to the same member and sends
+    the refreshes still waiting; their keepers meanwhile send more through the other members."""
+
+    def __init__(self, endpoint: str, silence_s: float, trail: RefreshTrail) -> None:
+        self._endpoint = endpoint
+        self._silence_s = silence_s
+        self.trail = trail
         self._outbox: queue.SimpleQueue[tuple[int, Refresh]] = queue.SimpleQueue()  # asked for, not yet framed
         # guards the pending refreshes, the connection and its streams; never held across a call that lets the GIL
         # go, except on a connection no other thread sees yet: hundreds of keepers once queued on it behind a holder
@@ -120,31 +186,13 @@ class SharedKeepAlive:
         self._connection: GrpcConnection | None = None
         self._streams: dict[int, int] = {}  # lease -> its stream on the connection
         self._leases: dict[int, int] = {}  # stream -> its lease
-        self._endpoint = client.endpoint_label
         self.carried = 0
-        self.trail = RefreshTrail(silence_s / 3)
-        threading.Thread(target=self._run, name="shared-keepalive", daemon=True).start()
-        threading.Thread(target=self._write, name="shared-keepalive-writer", daemon=True).start()
-        threading.Thread(target=self.trail.run, name="refresh-trail", daemon=True).start()
+        threading.Thread(target=self._run, name=f"keepalive-{endpoint}", daemon=True).start()
+        threading.Thread(target=self._write, name=f"keepalive-writer-{endpoint}", daemon=True).start()
 
-    def endpoints(self, lease) -> list[str]:
-        return [self._endpoint]  # the connection's
-
-    def prefer(self, lease, endpoint: str) -> None:
-        raise AssertionError(f"the shared connection runs on one endpoint; asked to move to {endpoint}")
-
-    def refresh(self, lease, deadline: float, endpoint: str) -> list:
-        """What `launcher.etcd.client.LeaseRoutes.refresh` does: etcd's answers, or a transient error."""
-        refresh = Refresh(asked=time.monotonic())
-        self.trail.asked(lease.id, refresh.asked)
-        self._outbox.put((lease.id, refresh))
-        if not refresh.done.wait(deadline):
-            # etcd answers a stream's refreshes in order: this one's late answer must not pass for the next's
-            refresh.abandoned = True
-            self.trail.timed_out()
-            raise EtcdUnavailable(f"keep-alive not answered within {deadline:g} s")
-        self.trail.answered(refresh, time.monotonic())
-        return [refresh.response]
+    def send(self, lease_id: int, refresh: Refresh) -> None:
+        """Queue `refresh` of `lease_id` for the writer; its `done` is set once etcd's answer is in."""
+        self._outbox.put((lease_id, refresh))
 
     def _write(self) -> None:
         """Frames and sends what the keepers asked for, everything asked meanwhile in one write."""
@@ -199,8 +247,6 @@ class SharedKeepAlive:
                 self._connection = None
                 self._streams.clear()
                 self._leases.clear()
-                labels = list(self._client.endpoints)
-                self._endpoint = labels[(labels.index(self._endpoint) + 1) % len(labels)]
             time.sleep(0.1)
 
     def _serve(self) -> None:

@@ -21,6 +21,7 @@ from rendezvous_host import SharedKeepAlive  # noqa: E402
 
 from launcher.etcd import client as etcd_client  # noqa: E402
 from launcher.etcd.lease_keeper import LeaseKeeper  # noqa: E402
+from launcher.etcd.server import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,3 +154,28 @@ def test_a_refresh_asked_for_while_the_connection_is_down_goes_out_once_it_is_ba
         assert len(connections) == 2
     finally:
         client.close()
+
+
+def test_a_lease_whose_member_is_gone_is_kept_through_another_and_moves_there(etcd):
+    """As a real agent's keeper: once its member left a refresh unanswered, the next goes out through the others
+    too, and the lease then refreshes through the member that answered (before, a host's refreshes all went
+    through one member)."""
+    gone = f"127.0.0.1:{free_port()}"  # nothing listens there: a member that died
+    granter = etcd_client.connect(etcd.endpoint)
+    routes_client = etcd_client.connect(f"{gone},{etcd.endpoint}")  # makes no call: its first member stays in use
+    try:
+        shared = SharedKeepAlive(routes_client, silence_s=3.0)
+        lease = granter.lease(2)
+        assert shared.endpoints(lease) == [gone]
+        lost = threading.Event()
+        keeper = LeaseKeeper(lease, 0.5, lost.set, routes=shared).start()
+        try:
+            time.sleep(3.0)  # past the 2 s TTL: only refreshes through the live member can have kept it
+            assert not lost.is_set() and lease.remaining_ttl > 0
+            assert keeper.silent_for() < 1.5
+            assert shared.endpoints(lease) == [etcd.endpoint]
+        finally:
+            keeper.stop()
+    finally:
+        granter.close()
+        routes_client.close()
