@@ -137,9 +137,11 @@ class _CancellingWatcher(HookedWatcher):
 
         try:
             return super().add_callback(key, noting_stream_errors, *args, **kwargs)
-        except etcd_exceptions.WatchTimedOut:
+        except etcd_exceptions.WatchTimedOut as exc:
             self.close()
-            raise
+            # ours, so callers retry it as any slow answer: thousands of agents registering at once kept one etcd
+            # from confirming watches for 20 s, and pyetcd's own error crashed agents before they joined
+            raise EtcdTimedOut(f"etcd did not confirm a new watch within {self.timeout:g}s") from exc
 
 
 class _FailoverClient(HookedClient):
