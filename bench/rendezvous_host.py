@@ -35,6 +35,7 @@ from launcher.config import LaunchConfig, RendezvousSettings
 from launcher.etcd import client as etcd_client
 from launcher.etcd.errors import EtcdUnavailable
 from launcher.etcd.lease_keeper import LeaseRoutes
+from launcher.etcd.pyetcd_internals import HookedClient
 from launcher.node.agent import Agent
 from launcher.rendezvous.records import DrainReport, NodeRecord
 from launcher.workers.group import WorkerOutcome
@@ -381,6 +382,40 @@ class RefreshTrail:
                 self._reset()
 
 
+class OwnWatchStream:
+    """The host's shared etcd client as one agent sees it, except that the agent's watches run on a watch stream of
+    its own (another gRPC stream on the client's channel), as each real agent's client has: the calls are the
+    client's own (pyetcd's watch methods, bound to this view), only the watcher differs.
+
+    On one stream per client every `state/ctl/` event went to 256 watches at once, past the 128 responses etcd
+    queues per stream, and half of them fell behind; etcd catches lagging watchers up under its store's lock,
+    which every write and every lease refresh then waits for (docs/scaling.md). When the client moved to another
+    member, the next watch created here opens its stream there."""
+
+    add_watch_callback = HookedClient.add_watch_callback
+    add_watch_prefix_callback = HookedClient.add_watch_prefix_callback
+    cancel_watch = HookedClient.cancel_watch
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._watcher = None
+        self._endpoint: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    @property
+    def watcher(self):
+        with self._lock:
+            if self._watcher is None or self._endpoint != self._client.endpoint_label:
+                stale, self._endpoint = self._watcher, self._client.endpoint_label
+                self._watcher = self._client.get_watcher()
+                if stale is not None:
+                    stale.close()  # its watches end with an error, and their mirrors resume on the new stream
+            return self._watcher
+
+
 class NoopWorkerGroup:
     """The WorkerGroup interface without processes: RUNNING until the bench ends.
 
@@ -596,7 +631,10 @@ def build_agents(spec: dict, host: HostState, clients: list, lease_routes: Lease
             entrypoint="noop-worker",
             warm_workers=False,  # no-op workers: a warm interpreter per simulated agent would import torch N times
         )
-        agents[node] = BenchAgent(host, config, clients[index // spec["agents_per_client"]], lease_routes)
+        client = clients[index // spec["agents_per_client"]]
+        if spec["watch_stream"] == "agent":
+            client = OwnWatchStream(client)
+        agents[node] = BenchAgent(host, config, client, lease_routes)
     return agents
 
 
