@@ -84,7 +84,7 @@ def keepalive_request(lease_id: int) -> bytes:
 
 class SharedKeepAlive:
     """Every lease refresh of a host's agents sent on ONE connection per etcd member, a LeaseKeepAlive stream per
-    lease, framed by hand (`grpc_wire`) on a plain socket (a `KeepAliveLine` per member, opened on first use).
+    lease, framed by hand (`grpc_wire`) on a plain socket (a `KeepAliveLine` per member).
 
     The agent's LeaseKeeper refreshes through `launcher.etcd.client.LeaseRoutes.refresh`, which opens a new
     LeaseKeepAlive stream per refresh, and gRPC starts a Python thread to feed each stream: ~1.3 ms of host CPU per
@@ -114,19 +114,17 @@ class SharedKeepAlive:
     """
 
     def __init__(self, client, silence_s: float) -> None:
-        self._silence_s = silence_s
         self._members = list(client.endpoints)
         self._first = client.endpoint_label
-        self._lock = threading.Lock()
-        self._lines: dict[str, KeepAliveLine] = {}
+        self.trail = RefreshTrail(silence_s / 3)
+        self._lines = {member: KeepAliveLine(member, silence_s, self.trail) for member in self._members}
         self._in_use: dict[int, str] = {}  # lease -> the member it refreshes through (absent: the client's first)
         self._unanswered: set[int] = set()  # leases whose last refresh went unanswered: the next goes to every member
-        self.trail = RefreshTrail(silence_s / 3)
         threading.Thread(target=self.trail.run, name="refresh-trail", daemon=True).start()
 
     @property
     def carried(self) -> int:
-        return sum(line.carried for line in list(self._lines.values()))
+        return sum(line.carried for line in self._lines.values())
 
     def endpoints(self, lease) -> list[str]:
         return [self._in_use.get(lease.id, self._first)]
@@ -142,7 +140,7 @@ class SharedKeepAlive:
         sent = {member: Refresh(asked=asked, done=done) for member in members}
         self.trail.asked(lease.id, asked)
         for member, refresh in sent.items():
-            self._line(member).send(lease.id, refresh)
+            self._lines[member].send(lease.id, refresh)
         answered = done.wait(deadline)
         for refresh in sent.values():
             # etcd answers a stream's refreshes in order: a late answer must not pass for the lease's next refresh
@@ -157,15 +155,6 @@ class SharedKeepAlive:
         self._in_use[lease.id] = member
         self.trail.answered(refresh, time.monotonic())
         return [refresh.response]
-
-    def _line(self, endpoint: str) -> KeepAliveLine:
-        line = self._lines.get(endpoint)
-        if line is None:
-            with self._lock:
-                line = self._lines.get(endpoint)
-                if line is None:
-                    line = self._lines[endpoint] = KeepAliveLine(endpoint, self._silence_s, self.trail)
-        return line
 
 
 class KeepAliveLine:

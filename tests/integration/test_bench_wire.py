@@ -167,10 +167,20 @@ def test_a_lease_whose_member_is_gone_is_kept_through_another_and_moves_there(et
         shared = SharedKeepAlive(routes_client, silence_s=3.0)
         lease = granter.lease(2)
         assert shared.endpoints(lease) == [gone]
+        refresh = shared.refresh
+        renewed_by_the_live_member = threading.Event()
+
+        def noting_renewals(lease_, deadline: float, endpoint: str) -> list:
+            answers = refresh(lease_, deadline, endpoint)
+            if answers[0].TTL > 0 and shared.endpoints(lease_) == [etcd.endpoint]:
+                renewed_by_the_live_member.set()  # etcd's own answer: it renewed the lease
+            return answers
+
+        shared.refresh = noting_renewals  # type: ignore[method-assign]  # the keeper's route, observed
         lost = threading.Event()
         keeper = LeaseKeeper(lease, 0.5, lost.set, routes=shared).start()
         try:
-            time.sleep(3.0)  # past the 2 s TTL: only refreshes through the live member can have kept it
+            assert renewed_by_the_live_member.wait(10)
             assert not lost.is_set() and lease.remaining_ttl > 0
             assert keeper.silent_for() < 1.5
             assert shared.endpoints(lease) == [etcd.endpoint]
