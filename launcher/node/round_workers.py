@@ -87,6 +87,13 @@ class RoundWorkers:
             return
         if len(self.standby.workers) < self.config.nproc_per_node and self.group.trains_under_elastic_run():
             self._fill_standby()
+        if self.standby.newly_ready():
+            logger.info(
+                "round %d: %d standby worker(s) ready (pids %s): a rank that fails takes one instead of a new process",
+                self.group.round.round,
+                len(self.standby.workers),
+                ", ".join(map(str, self.standby.pids())),
+            )
 
     def _fill_standby(self) -> bool:
         """Start the standby workers the node lacks, and fork the warm workers they took; False when there are

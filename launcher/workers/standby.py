@@ -93,6 +93,15 @@ class StandbyWorkers:
         else:
             link.close()
 
+    def all_ready(self) -> bool:
+        return len(self.workers) == self.config.nproc_per_node and all(w.ready for w in self.workers.values())
+
+    def newly_ready(self) -> bool:
+        """Take in what the workers said, without waiting; True when that made every local rank's worker ready."""
+        before = self.all_ready()
+        self._read(0.0)
+        return not before and self.all_ready()
+
     def wait_ready(self, timeout_s: float, interrupted: Callable[[], bool]) -> str | None:
         """Wait until every local rank's worker said it is ready; None once they all did, else why not (one
         exited first, the time ran out, or `interrupted()`)."""
@@ -103,7 +112,7 @@ class StandbyWorkers:
                 return self.unusable
             if len(self.workers) < self.config.nproc_per_node:
                 return "not every local rank has a standby worker"
-            if all(worker.ready for worker in self.workers.values()):
+            if self.all_ready():
                 return None
             if interrupted():
                 return "interrupted"

@@ -36,6 +36,7 @@ QUEUED_SEND = REPO / "tests" / "integration" / "queued_send_worker.py"
 BOTH = FAST_RDZV.replace("last_call_timeout=1", "last_call_timeout=60")
 # train.py's default model on a small corpus: steps slow enough (about 0.1 s) for a fault to land mid-run
 SMALL = ["--seq-len", "32", "--corpus-chars", "60000"]
+STANDBY_READY = "standby worker(s) ready (pids"  # the agent, once each local rank has a standby worker
 
 
 def args(samples, tmp_path, steps: int) -> list[str]:
@@ -156,6 +157,8 @@ def test_a_crashed_and_then_a_stopped_worker_are_replaced_while_their_peers_reen
     for n in "ab":
         cluster.start(n, args(samples, tmp_path, steps), nnodes="1:2", rdzv_conf=BOTH, script=TRAIN, extra=extra)
     cluster.wait_for(reached(samples, 4, 10), 120, "step 10 at 4 ranks")
+    # started once round 0 trains; on a loaded machine a standby worker was still starting at step 10
+    cluster.wait_for(lambda: all(STANDBY_READY in agent.text() for agent in cluster.agents), 60, "standby workers")
     round_0 = {r["rank"]: r["pid"] for r in records(samples) if r["round"] == 0}
     os.kill(round_0[0], signal.SIGKILL)
     cluster.wait_for(lambda: any(r["round"] == 1 for r in records(samples)), 60, "a step in the round after the crash")
@@ -186,8 +189,8 @@ def test_a_crashed_and_then_a_stopped_worker_are_replaced_while_their_peers_reen
         )
         for n in (1, 2)
     }
-    # the crashed worker's rank took its node's standby worker, started after round 0's launch and waiting in
-    # elastic.run since; the hung one's took a standby worker too, unless the refill after round 1 was not ready
+    # the crashed worker's rank took its node's standby worker, ready before the crash; the hung one's took a
+    # standby worker too, unless the refill after round 1 was not ready
     assert counts[1] == [(1, 1, 0), (2, 0, 0)], workers_started(cluster)
     assert counts[2] in ([(1, 1, 0), (2, 0, 0)], [(1, 0, 1), (2, 0, 0)]), workers_started(cluster)
 
