@@ -62,9 +62,13 @@ class EtcdCluster:
         logger.info("started a %d-member etcd cluster %s (leader m%d)", len(self.names), self.endpoint, self.leader())
         return self
 
+    def log_path(self, name: str) -> str:
+        """Where member `name`'s stdout and stderr go."""
+        return os.path.join(self.data_dir, f"{name}.log")
+
     def _launch(self, name: str, command: list[str]) -> subprocess.Popen:
         os.makedirs(self.data_dir, exist_ok=True)
-        with open(os.path.join(self.data_dir, f"{name}.log"), "ab") as log:
+        with open(self.log_path(name), "ab") as log:
             return subprocess.Popen(orphan_safe_command(command), stdout=log, stderr=log, start_new_session=True)
 
     def restart(self, member: int, timeout_s: float = 30.0) -> None:

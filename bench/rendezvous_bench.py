@@ -534,12 +534,12 @@ class BenchEtcd:
         """Each member that exited on its own (not killed by the bench), with the panic or last line of its log."""
         if self.cluster is not None:
             members = [
-                (name, process, os.path.join(self.cluster.data_dir, f"{name}.log"))
+                (name, process, self.cluster.log_path(name))
                 for name, process in zip(self.cluster.names, self.cluster.processes)
             ]
         else:
             assert self.server is not None and self.server.process is not None, "started"
-            members = [("etcd", self.server.process, os.path.join(self.server.data_dir, "etcd.log"))]
+            members = [("etcd", self.server.process, self.server.log_path)]
         return [
             f"etcd member {name} exited with code {process.returncode}: {last_words(log)}"
             for name, process, log in members

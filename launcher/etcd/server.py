@@ -108,6 +108,11 @@ class EtcdServer:
     def endpoint(self) -> str:
         return f"{self.host}:{self.client_port}"
 
+    @property
+    def log_path(self) -> str:
+        """Where etcd's stdout and stderr go."""
+        return os.path.join(self.data_dir, "etcd.log")
+
     def start(self, timeout_s: float = 20.0) -> EtcdServer:
         for attempt in range(1, _START_ATTEMPTS + 1):
             try:
@@ -145,7 +150,7 @@ class EtcdServer:
                 str(self.tls.client_ca),
             ]
         os.makedirs(self.data_dir, exist_ok=True)
-        log = open(os.path.join(self.data_dir, "etcd.log"), "ab")
+        log = open(self.log_path, "ab")
         # The server dies with whoever started it, even on SIGKILL, so no test or agent leaks an etcd; its own
         # session keeps a terminal's Ctrl-C from stopping it before the agent has left the job.
         self.process = subprocess.Popen(
@@ -161,7 +166,7 @@ class EtcdServer:
         try:
             while True:
                 if self.process.poll() is not None:
-                    tail = Path(self.data_dir, "etcd.log").read_text(errors="replace")[-2000:]
+                    tail = Path(self.log_path).read_text(errors="replace")[-2000:]
                     failure = PortTaken if "address already in use" in tail else RuntimeError
                     raise failure(f"etcd exited with code {self.process.returncode}:\n{tail}")
                 try:
