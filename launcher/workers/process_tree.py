@@ -15,12 +15,15 @@ outlives it, even a grandchild that left the worker's process group (setsid) or 
 - When the worker exits, the supervisor SIGKILLs whatever the worker left behind, then exits with the worker's
   status: the same exit code, or the same death signal re-raised, so `Popen.returncode` reads as the worker's.
 - `stop_group` signals each group, waits the grace period, then SIGKILLs the worker's tree below the supervisor
-  (which is still alive to adopt the orphans, so none escapes) before the group itself.
+  (which is still alive to adopt the orphans, so none escapes) before the group itself. It returns once that
+  tree has exited, not just the supervisor: a SIGKILLed group loses its small supervisor first, while a large
+  worker still frees its memory (a GPU's too) for a moment after.
 - `child_pids` looks through supervisors, so callers that find an agent's workers get the worker processes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -39,6 +42,8 @@ from launcher.workers.warm_interpreter import (
     process_name,
     set_process_name,
 )
+
+logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -61,6 +66,7 @@ _SUPERVISE = (
 _PARENT_GONE_EXIT = 70  # the parent died before the worker could start
 _EXEC_FAILED_EXIT = 127  # as a shell reports a command it cannot run
 _STRAY_KILL_TIMEOUT_S = 10.0
+_TREE_EXIT_TIMEOUT_S = 5.0  # a SIGKILLed worker of GBs exits in a fraction of a second; longer is a stuck one
 
 
 class WorkerProcess(Protocol):
@@ -109,8 +115,9 @@ def stop_group(processes: list[WorkerProcess], grace_s: float, first_signal: int
     SIGKILL goes to every descendant of a process that is still running (for a supervised worker: its whole tree,
     setsid'd and orphaned grandchildren included, since they are reparented to the supervisor), then to the whole
     group even after its leader exited, so no grandchild (a DataLoader worker, a compiler subprocess) outlives the
-    worker. Workers stuck in a collective die here too.
+    worker. Workers stuck in a collective die here too. Returns once every process of their trees has exited.
     """
+    tree = descendant_pids(*(process.pid for process in processes if process.poll() is None))
     for process in processes:
         if process.poll() is None:
             signal_group(process, first_signal)
@@ -136,6 +143,22 @@ def stop_group(processes: list[WorkerProcess], grace_s: float, first_signal: int
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:  # pragma: no cover - a process in uninterruptible sleep
             pass
+    _wait_exited(tree, _TREE_EXIT_TIMEOUT_S)
+
+
+def _wait_exited(pids: list[int], timeout_s: float) -> None:
+    """Wait until none of `pids` runs (a zombie has exited), for up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while running := [pid for pid in pids if is_running(pid)]:
+        if time.monotonic() > deadline:  # pragma: no cover - a process in uninterruptible sleep
+            logger.warning(
+                "process(es) %s still exiting %.0fs after SIGKILL: in uninterruptible sleep (a hung file system "
+                "or driver?); going on without them",
+                running,
+                timeout_s,
+            )
+            return
+        time.sleep(0.002)
 
 
 # -- /proc ---------------------------------------------------------------------------------------------------
@@ -201,12 +224,14 @@ def _living_processes(zombies: bool = False) -> dict[int, list[str]]:
     return found
 
 
-def descendant_pids(pid: int) -> list[int]:
-    """Every living descendant of `pid` (Linux /proc), parents before their children."""
+def descendant_pids(*pids: int) -> list[int]:
+    """Every living descendant of `pids` (Linux /proc, one scan), parents before their children."""
+    if not pids:
+        return []
     children: dict[int, list[int]] = {}
     for child, fields in _living_processes().items():
         children.setdefault(int(fields[1]), []).append(child)
-    found, frontier = [], [pid]
+    found, frontier = [], list(pids)
     while frontier:
         frontier = [child for parent in frontier for child in children.get(parent, ())]
         found += frontier

@@ -180,6 +180,27 @@ def test_stop_group_takes_setsid_and_orphaned_grandchildren(marker, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_stop_group_returns_once_a_killed_large_worker_has_exited():
+    """SIGKILL takes the small supervisor at once; a worker holding 512 MiB needs some 0.1 s more to free it,
+    and whoever was told the workers are stopped (a fenced agent, the next round's worker) counts on it."""
+    holds = "import time; held = b'x' * 2**29; print(flush=True); time.sleep(60)"
+    for _ in range(3):
+        process = subprocess.Popen(
+            supervised_command([sys.executable, "-c", holds]), start_new_session=True, stdout=subprocess.PIPE
+        )
+        try:
+            assert process.stdout is not None
+            process.stdout.readline()
+            worker = descendant_pids(process.pid)
+            assert worker
+            stop_group([process], 0.0, signal.SIGKILL)
+            assert not [pid for pid in worker if is_running(pid)]
+        finally:
+            kill_group(process)
+            process.stdout.close()
+
+
+@pytest.mark.timeout(60)
 def test_worker_exit_takes_what_it_left_behind(marker, tmp_path):
     command = supervised_command(spawner(marker, tmp_path, "--exit-code", "3"))
     process = subprocess.Popen(command, env=dict(os.environ, RANK="0"), start_new_session=True)
