@@ -293,10 +293,11 @@ def _cut_and_heal(make_network, tmp_path, case: str, cut, heal, choose) -> None:
     cut(net, victim)
     again = job.wait_for_world(2, timeout=45, after=cut_at, nodes=survivors)
     recovered_s = again["time"] - cut_at
-    # fenced while still cut off: the message, and its old workers gone before the others trained without it
+    # fenced while still cut off: the message, and its old workers gone once it is said. The others may have gone
+    # on before that: their workers' stall has the cut node probed, and its lease ended at once
     job.wait_for(lambda: FENCE_TEXT in job.output(victim), 5, f"node{victim} fencing itself")
     alive = sorted(pid for pid in old_pids if is_running(pid))
-    assert not alive, f"node{victim}'s round-0 workers {alive} still run after the job moved on\n{job.dump()}"
+    assert not alive, f"node{victim}'s round-0 workers {alive} still run after it said they were killed\n{job.dump()}"
     assert not job.first_collective(2, cut_at, {victim}), "the cut node trained in the survivors' world"
 
     heal_at = time.time()
