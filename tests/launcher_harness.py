@@ -145,6 +145,14 @@ class Cluster:
         """The probes end together after their next collective: the test has seen what it waited for."""
         self.stop_file.touch()
 
+    def stop_all(self, agents: list[Agent], timeout: float) -> None:
+        """SIGTERM every one of `agents` at once, as a whole-job preemption or a time limit does, and check that
+        each drained and left as told (exit 128 + SIGTERM) within `timeout`."""
+        for agent in agents:
+            os.kill(agent.pid, signal.SIGTERM)
+        for agent in agents:
+            assert agent.wait(timeout=timeout) == 128 + signal.SIGTERM, self.dump()
+
     def collectives(self) -> list[dict]:
         if not self.probe_log.is_file():
             return []

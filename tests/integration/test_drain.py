@@ -29,6 +29,11 @@ def steps_by_round(samples) -> dict[int, set[int]]:
     return rounds
 
 
+def last_trained(samples) -> int:
+    """The last step any round trained."""
+    return max(max(steps_of_round) for steps_of_round in steps_by_round(samples).values())
+
+
 def start_training(
     cluster, tmp_path, nodes: str, steps: int, script: Path = TRAIN, env: dict[str, str] | None = None
 ) -> tuple[list, Callable]:
@@ -77,12 +82,9 @@ def test_a_scale_up_drains_first_so_no_step_is_trained_twice(cluster, tmp_path):
     agents.append(start("c"))
     samples = tmp_path / "samples.jsonl"
     cluster.wait_for(lambda: len(steps_by_round(samples)) >= 2, 120, "a step in the grown round")
-    for agent in agents:
-        os.kill(agent.pid, signal.SIGTERM)
-    for agent in agents:
-        assert agent.wait(timeout=90) == 128 + signal.SIGTERM, cluster.dump()
+    cluster.stop_all(agents, timeout=90)
 
-    last = max(step for steps_of_round in steps_by_round(samples).values() for step in steps_of_round)
+    last = last_trained(samples)
     rounds = assert_nothing_redone(tmp_path, last, cluster)
     drained = cluster.events("drain_committed")
     asked = [(e["reason"], e["in_memory"]) for e in cluster.events("drain_requested")]
@@ -165,12 +167,9 @@ def test_every_agent_told_to_stop_at_once_drains_to_disk_so_the_next_launch_resu
     hold a snapshot in memory, so the drain goes to disk, and the next launch resumes at the last step trained."""
     steps = 400  # far more than the run gets to: it ends by the signals
     agents, _ = start_training(cluster, tmp_path, "abc", steps)
-    for agent in agents:
-        os.kill(agent.pid, signal.SIGTERM)
-    for agent in agents:
-        assert agent.wait(timeout=90) == 128 + signal.SIGTERM, cluster.dump()
+    cluster.stop_all(agents, timeout=90)
 
-    trained = max(max(steps_of_round) for steps_of_round in steps_by_round(tmp_path / "samples.jsonl").values())
+    trained = last_trained(tmp_path / "samples.jsonl")
     committed = [entry.step for entry in scan(tmp_path / "ckpt") if entry.committed]
     asked = cluster.events("drain_requested")
     assert {e["reason"] for e in asked} == {"node_left"} and not asked[-1]["in_memory"], cluster.log()

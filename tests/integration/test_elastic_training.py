@@ -215,10 +215,7 @@ def test_a_node_paused_past_the_probe_timeout_is_fenced_rejoins_and_nothing_comm
         120,
         f"a step at 3 ranks with {victim.node_id} back",
     )
-    for agent in agents:
-        os.kill(agent.pid, signal.SIGTERM)
-    for agent in agents:
-        assert agent.wait(timeout=120) == 128 + signal.SIGTERM, cluster.dump()
+    cluster.stop_all(agents, timeout=120)
     assert not cluster.events("job_failed")
     rejoined = [e for e in cluster.events("node_joined") if e["node"] == victim.node_id]
     assert len(rejoined) == 2, "it came back as a newcomer"
