@@ -183,7 +183,7 @@ def test_stop_group_takes_setsid_and_orphaned_grandchildren(marker, tmp_path):
 def test_stop_group_returns_once_a_killed_large_worker_has_exited():
     """SIGKILL takes the small supervisor at once; a worker holding 512 MiB needs some 0.1 s more to free it,
     and whoever was told the workers are stopped (a fenced agent, the next round's worker) counts on it."""
-    holds = "import time; held = b'x' * 2**29; print(flush=True); time.sleep(60)"
+    holds = "import signal; held = b'x' * 2**29; print(flush=True); signal.pause()"  # until the test kills it
     for _ in range(3):
         process = subprocess.Popen(
             supervised_command([sys.executable, "-c", holds]), start_new_session=True, stdout=subprocess.PIPE
